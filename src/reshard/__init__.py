@@ -10,8 +10,26 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # --- core (issue 2) ---
+from ._api import clear_plan_cache as clear_plan_cache
+from ._api import plan as plan
+from ._api import reshard as reshard
+from ._errors import DataLossError as DataLossError
 
 # --- seed helpers: intermediate shardings, mesh-axis split/concatenate (issue 3) ---
+from ._intermediate import INTERMEDIATE_REPLICA_SUFFIX as INTERMEDIATE_REPLICA_SUFFIX
+from ._intermediate import INTERMEDIATE_SPLIT_SUFFIX as INTERMEDIATE_SPLIT_SUFFIX
+from ._intermediate import NoIntermediateShardingError as NoIntermediateShardingError
+from ._intermediate import (
+    NoIntermediateShardingNeededError as NoIntermediateShardingNeededError,
+)
+from ._intermediate import find_intermediate_sharding as find_intermediate_sharding
+from ._intermediate import (
+    reshard_with_intermediate_sharding as reshard_with_intermediate_sharding,
+)
+from ._plan import Plan as Plan
+from ._planner import PlanStats as PlanStats
+from ._split import concatenate_by_mesh_axis as concatenate_by_mesh_axis
+from ._split import split_by_mesh_axis as split_by_mesh_axis
 
 # --- multi-controller (issue 4) ---
 

@@ -1,0 +1,344 @@
+"""The public entry points ``reshard`` and ``plan``: normalise once, then plan.
+
+This layer flattens the pytree, broadcasts the sharding prefix, validates every leaf
+(errors name the leaf path), routes non-``jax.Array`` leaves to ``jax.device_put``,
+and looks plans up in a bounded cache. Inner layers trust what it hands them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+from . import _compat
+from ._geometry import box_from_index
+from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
+from ._planner import LeafSpec, ShardSpec, plan_leaves
+
+EXECUTORS = ("auto", "host", "device", "collective")
+PLAN_CACHE_SIZE = 128
+
+_cache: OrderedDict[Hashable, Plan] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def clear_plan_cache() -> None:
+    """Forgets every cached plan (and the compiled programs they hold)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def plan_cache_size() -> int:
+    return len(_cache)
+
+
+def reshard(
+    x: Any,
+    sharding: Any,
+    *,
+    donate: bool = False,
+    may_alias: bool | None = None,
+    cache_resharding_plans: bool = False,
+    executor: str = "auto",
+    avoid_devices: Iterable[Any] = (),
+) -> Any:
+    """Returns a copy of ``x`` committed to ``sharding``, moving as few bytes as possible.
+
+    Drop-in for ``pathwaysutils.experimental.reshard.reshard`` on plain JAX.
+
+    Args:
+      x: an array, a scalar, or a pytree of them. ``jax.Array`` leaves (PRNG-key
+        arrays included) are moved by a plan; any other leaf is placed with
+        ``jax.device_put``.
+      sharding: a ``jax.sharding.Sharding`` or a pytree of them that is a tree prefix
+        of ``x`` (one sharding then covers a whole subtree).
+      donate: free the sources once the whole pytree has been moved. A failure
+        frees nothing.
+      may_alias: ``False`` copies even shards that do not change; ``None``/``True``
+        hand unchanged shards over without a copy (as ``jax.device_put`` does).
+      cache_resharding_plans: keep the plan (and its compiled programs, if any) in a
+        bounded LRU cache keyed by avals, shardings and options, so repeated calls
+        neither re-plan nor recompile.
+      executor: ``"auto"`` (default), ``"host"`` (CPU only), ``"device"`` or
+        ``"collective"``; see ``reshard.plan``.
+      avoid_devices: devices (or ids) whose source shards must not be read, e.g. lost
+        devices. Raises ``DataLossError`` when some data has no other copy.
+
+    Returns:
+      A pytree with the structure of ``x``.
+
+    Raises:
+      ValueError: a sharding that is not a ``Sharding``, a sharding tree that is not a
+        prefix of ``x``, a shape the destination cannot divide, a spec longer than the
+        array rank, a deleted or donated input, mixed platforms.
+      DataLossError: with ``avoid_devices``, data that no allowed device holds.
+
+    Example:
+      >>> import jax, numpy as np, reshard
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> devs = np.array(jax.devices()[:4])
+      >>> x = jax.device_put(np.arange(16.0), NamedSharding(Mesh(devs, "a"), P("a")))
+      >>> y = reshard.reshard(x, NamedSharding(Mesh(devs[::-1], "b"), P("b")))
+      >>> bool((y == x).all())
+      True
+    """
+    p = plan(
+        x,
+        sharding,
+        executor=executor,
+        avoid_devices=avoid_devices,
+        cache=cache_resharding_plans,
+    )
+    return p.execute(x, donate=donate, may_alias=may_alias)
+
+
+def plan(
+    x: Any,
+    sharding: Any,
+    *,
+    executor: str = "auto",
+    avoid_devices: Iterable[Any] = (),
+    cache: bool = True,
+) -> Plan:
+    """Plans moving ``x`` to ``sharding`` without touching any data.
+
+    Args:
+      x: a pytree of ``jax.Array``s and/or ``jax.ShapeDtypeStruct``s that carry a
+        ``.sharding`` (other leaves are allowed and will go through
+        ``jax.device_put``).
+      sharding: a ``Sharding`` or a pytree of them that is a tree prefix of ``x``.
+      executor: ``"auto"`` picks ``"collective"`` when JAX runs several processes,
+        ``"host"`` when every device is a CPU, else ``"device"``.
+      avoid_devices: devices (or device ids) never to read from.
+      cache: look the plan up in / store it into the bounded plan cache.
+
+    Returns:
+      A ``Plan``: ``print(plan)`` summarises it, ``plan.stats`` has the numbers,
+      ``plan.transfer_matrix()`` the bytes per device pair, ``plan.execute(x)`` runs it.
+
+    Example:
+      >>> import jax, numpy as np, reshard
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> src = NamedSharding(Mesh(np.array(jax.devices()[:4]), "a"), P("a"))
+      >>> dst = NamedSharding(Mesh(np.array(jax.devices()[4:8]), "b"), P("b"))
+      >>> p = reshard.plan(jax.ShapeDtypeStruct((1024,), np.float32, sharding=src), dst)
+      >>> p.stats.bytes_moved == p.stats.bytes_lower_bound == 4096
+      True
+    """
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    avoid = frozenset(_device_id(d) for d in avoid_devices)
+    paths, values, treedef = _flatten(x)
+    dst = _broadcast_shardings(sharding, x, len(values))
+    leaves = tuple(_leaf_info(p, v, s) for p, v, s in zip(paths, values, dst, strict=True))
+    key = (treedef, leaves, executor, avoid)
+    if cache:
+        with _cache_lock:
+            hit = _cache.get(key)
+            if hit is not None:
+                _cache.move_to_end(key)
+                return hit
+    result = _build_plan(treedef, leaves, executor, avoid)
+    if cache:
+        with _cache_lock:
+            _cache[key] = result
+            while len(_cache) > PLAN_CACHE_SIZE:
+                _cache.popitem(last=False)
+    return result
+
+
+# ----------------------------------------------------------------------------------
+# Normalisation
+# ----------------------------------------------------------------------------------
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """``params['w'][0]`` style text for a pytree key path (empty for the root)."""
+    return jax.tree_util.keystr(tuple(path))
+
+
+def _flatten(x: Any) -> tuple[list[str], list[Any], Any]:
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
+    return [path_str(p) for p, _ in with_path], [v for _, v in with_path], treedef
+
+
+def _broadcast_shardings(sharding: Any, x: Any, n: int) -> list[Any]:
+    """One destination sharding per leaf of ``x``, from a tree prefix of ``x``."""
+    s_with_path, s_def = jax.tree_util.tree_flatten_with_path(
+        sharding, is_leaf=lambda s: isinstance(s, Sharding) or s is None
+    )
+    for p, s in s_with_path:
+        if not isinstance(s, Sharding):
+            hint = (
+                " Wrap a PartitionSpec in NamedSharding(mesh, spec)."
+                if isinstance(s, PartitionSpec)
+                else ""
+            )
+            where = f"at {path_str(p)}" if p else "at the root"
+            raise ValueError(
+                f"sharding {where} must be a jax.sharding.Sharding, got {type(s).__name__}: {s!r}.{hint}"
+            )
+    try:
+        subtrees = s_def.flatten_up_to(x)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            "the sharding pytree must be a tree prefix of x: "
+            f"sharding structure {s_def} does not match x structure "
+            f"{jax.tree_util.tree_structure(x)} ({e})"
+        ) from None
+    out: list[Any] = []
+    for (_, s), sub in zip(s_with_path, subtrees, strict=True):
+        out.extend([s] * len(jax.tree_util.tree_leaves(sub)))
+    assert len(out) == n, (len(out), n)
+    return out
+
+
+def _is_key(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
+    where = path or "<root>"
+    if isinstance(v, jax.Array):
+        if v.is_deleted():
+            raise ValueError(
+                f"leaf {where} is a deleted jax.Array (was it donated or deleted earlier?); "
+                "pass live arrays"
+            )
+        shape, dtype, src = tuple(v.shape), v.dtype, v.sharding
+    elif isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None:
+        shape, dtype, src = tuple(v.shape), v.dtype, v.sharding
+    else:
+        shape = tuple(np.shape(v))
+        _check_destination(where, shape, dst)
+        return LeafInfo(path, HOST, shape, getattr(v, "dtype", None), None, dst)
+    _check_destination(where, shape, dst)
+    if not isinstance(src, Sharding):
+        raise ValueError(f"leaf {where} has no jax.sharding.Sharding (got {src!r})")
+    if _is_key(dtype):
+        data_shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype)).shape
+        extra = len(data_shape) - len(shape)
+        ds, dd = _key_data_sharding(src, extra), _key_data_sharding(dst, extra)
+        if ds is None or dd is None:
+            # Key arrays with exotic shardings: fall back to jax.device_put.
+            return LeafInfo(path, HOST, shape, dtype, src, dst)
+        return LeafInfo(path, KEY, shape, dtype, src, dst, ds, dd)
+    return LeafInfo(path, ARRAY, shape, dtype, src, dst)
+
+
+def _key_data_sharding(s: Sharding, extra: int) -> Sharding | None:
+    if isinstance(s, SingleDeviceSharding):
+        return s
+    if isinstance(s, NamedSharding):
+        spec = tuple(s.spec) + (None,) * extra
+        return NamedSharding(s.mesh, PartitionSpec(*spec), memory_kind=s.memory_kind)
+    return None
+
+
+def _check_destination(where: str, shape: tuple[int, ...], dst: Sharding) -> None:
+    if isinstance(dst, NamedSharding) and len(dst.spec) > len(shape):
+        raise ValueError(
+            f"leaf {where}: destination spec {dst.spec} has {len(dst.spec)} entries but the "
+            f"array has rank {len(shape)} (shape {shape}); use at most {len(shape)} entries"
+        )
+    try:
+        dst.shard_shape(shape)
+    except Exception as e:
+        raise ValueError(
+            f"leaf {where}: shape {shape} cannot be divided by the destination sharding "
+            f"{dst}: {e}. Every sharded dimension must be divisible by its shard count"
+        ) from None
+
+
+def _device_id(d: Any) -> int:
+    return d if isinstance(d, int) else int(d.id)
+
+
+# ----------------------------------------------------------------------------------
+# Building
+# ----------------------------------------------------------------------------------
+
+
+def _memory_kind(s: Sharding) -> str:
+    mk = s.memory_kind
+    if mk is None:
+        dev = next(iter(s.device_set))
+        try:
+            mk = dev.default_memory().kind
+        except Exception:  # pragma: no cover - backends without memories
+            mk = "device"
+    return mk
+
+
+def shard_specs(sharding: Sharding, shape: tuple[int, ...]) -> tuple[ShardSpec, ...]:
+    """The planner's view of a sharding: one ``ShardSpec`` per device, in order."""
+    index = sharding.devices_indices_map(shape)
+    mk = _memory_kind(sharding)
+    return tuple(
+        ShardSpec(d.id, mk, d.process_index, box_from_index(index[d], shape))
+        for d in _compat.ordered_devices(sharding)
+    )
+
+
+def _build_plan(
+    treedef: Any, leaves: tuple[LeafInfo, ...], executor: str, avoid: frozenset[int]
+) -> Plan:
+    specs = []
+    platforms: set[str] = set()
+    for leaf in leaves:
+        if leaf.kind == HOST:
+            continue
+        src, dst = leaf.src_sharding, leaf.dst_sharding
+        shape, itemsize = leaf.shape, np.dtype(leaf.dtype).itemsize if leaf.kind == ARRAY else 4
+        if leaf.kind == KEY:
+            src, dst = leaf.data_src_sharding, leaf.data_dst_sharding
+            shape = jax.eval_shape(
+                jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+            ).shape
+        assert src is not None and dst is not None
+        leaf_platforms = {d.platform for d in src.device_set | dst.device_set}
+        if len(leaf_platforms) > 1:
+            raise ValueError(
+                f"leaf {leaf.path or '<root>'}: source and destination devices mix platforms "
+                f"{sorted(leaf_platforms)}; reshard moves within one platform "
+                "(use jax.device_put to cross platforms)"
+            )
+        platforms |= leaf_platforms
+        dst_avoided = sorted(d.id for d in dst.device_set if d.id in avoid)
+        if dst_avoided:
+            raise ValueError(
+                f"leaf {leaf.path or '<root>'}: the destination sharding uses avoided devices "
+                f"{dst_avoided}; build the destination on surviving devices only"
+            )
+        specs.append(
+            LeafSpec(
+                leaf.path or "<root>",
+                tuple(shape),
+                itemsize,
+                shard_specs(src, tuple(shape)),
+                shard_specs(dst, tuple(shape)),
+            )
+        )
+    if len(platforms) > 1:
+        raise ValueError(
+            f"arrays of one reshard must live on one platform, got {sorted(platforms)}"
+        )
+    leaf_plans, stats = plan_leaves(specs, avoid_devices=avoid)
+    if executor == "auto":
+        if jax.process_count() > 1:
+            executor = "collective"
+        elif platforms <= {"cpu"}:
+            executor = "host"
+        else:
+            executor = "device"
+    if executor == "host" and not platforms <= {"cpu"}:
+        raise ValueError(
+            f"the host executor runs on CPU devices only, got platforms {sorted(platforms)}"
+        )
+    return Plan(treedef, leaves, leaf_plans, stats, executor, avoid)

@@ -1,0 +1,105 @@
+"""Every use of a private JAX API, each with a fallback through public API.
+
+A new JAX release that moves an internal must cost speed, never correctness: each
+function below tries the fast internal path and falls back to a public equivalent
+when the internal is missing or behaves differently. ``tests/test_compat.py`` checks
+that both paths give the same result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+try:  # pragma: no cover - exercised on whichever JAX is installed
+    from jax._src import core as _core
+    from jax._src.interpreters import pxla as _pxla
+
+    _batched_device_put = _pxla.batched_device_put
+    _ShapedArray = _core.ShapedArray
+except Exception:  # pragma: no cover
+    _batched_device_put = None
+    _ShapedArray = None
+
+# Tests flip this to exercise the public fallbacks.
+USE_PRIVATE = True
+
+
+def ordered_devices(sharding: Sharding) -> tuple[Any, ...]:
+    """All devices of ``sharding`` in its own fixed order (the device assignment)."""
+    if USE_PRIVATE:
+        devs = getattr(sharding, "_device_assignment", None)
+        if devs is not None:
+            return tuple(devs)
+    return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+
+
+def addressable_devices(sharding: Sharding) -> tuple[Any, ...]:
+    """The devices of ``sharding`` this process can address, in ``ordered_devices`` order."""
+    me = jax.process_index()
+    return tuple(d for d in ordered_devices(sharding) if d.process_index == me)
+
+
+def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
+    """Map from device id to the single-device array ``x`` holds there (this process)."""
+    if USE_PRIVATE:
+        arrays = getattr(x, "_arrays", None)
+        if arrays is not None:
+            devs = addressable_devices(x.sharding)
+            if len(devs) == len(arrays):
+                return {d.id: a for d, a in zip(devs, arrays, strict=True)}
+    return {s.device.id: s.data for s in x.addressable_shards}
+
+
+def assemble(
+    shape: tuple[int, ...],
+    dtype: Any,
+    sharding: Sharding,
+    buffers: Sequence[Any],
+    devices: Sequence[Any],
+) -> jax.Array:
+    """Builds a sharded array from one buffer per addressable device.
+
+    ``buffers`` may be numpy arrays (placed zero-copy on CPU when 64-byte aligned) or
+    single-device ``jax.Array``s already on their device (used as they are).
+    """
+    if (
+        USE_PRIVATE
+        and _batched_device_put is not None
+        and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    ):
+        try:
+            aval = _ShapedArray(shape, dtype)
+            return _batched_device_put(aval, sharding, list(buffers), list(devices))
+        except Exception:  # pragma: no cover - fall through to the public path
+            pass
+    pending = [(i, b) for i, b in enumerate(buffers) if not isinstance(b, jax.Array)]
+    out: list[Any] = list(buffers)
+    if pending:
+        placed = jax.device_put(
+            [b for _, b in pending],
+            [
+                jax.sharding.SingleDeviceSharding(devices[i], memory_kind=sharding.memory_kind)
+                for i, _ in pending
+            ],
+            may_alias=True,
+        )
+        for (i, _), arr in zip(pending, placed, strict=True):
+            out[i] = arr
+    return jax.make_array_from_single_device_arrays(shape, sharding, out)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised numpy array whose data starts on an ``align``-byte boundary.
+
+    XLA's CPU client adopts such a buffer without copying (``may_alias``), so a
+    destination shard written here reaches JAX with one copy per byte in total.
+    """
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)

@@ -1,0 +1,112 @@
+"""Running a ``Plan``: check the inputs against it, call an executor, donate last."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from . import _compat
+from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
+from ._plan import HOST, KEY, Plan
+
+
+def _jobs(plan: Plan) -> list[LeafJob]:
+    jobs = plan._cache.get("jobs")
+    if jobs is None:
+        jobs = plan._cache["jobs"] = [
+            LeafJob.build(lp, "uint32" if leaf.kind == KEY else leaf.dtype)
+            for leaf, lp in zip(plan.planned_leaves, plan.leaf_plans, strict=True)
+        ]
+    return jobs
+
+
+def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) -> Any:
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
+    if treedef != plan.treedef:
+        raise ValueError(
+            f"x has structure {treedef}, but the plan was built for {plan.treedef}; "
+            "build a new plan with reshard.plan(x, sharding)"
+        )
+    values = [v for _, v in with_path]
+    for leaf, v in zip(plan.leaves, values, strict=True):
+        if leaf.kind == HOST:
+            continue
+        where = leaf.path or "<root>"
+        if not isinstance(v, jax.Array):
+            raise ValueError(f"leaf {where}: the plan expects a jax.Array, got {type(v).__name__}")
+        if v.is_deleted():
+            raise ValueError(f"leaf {where} is a deleted jax.Array (was it donated earlier?)")
+        if tuple(v.shape) != leaf.shape or v.dtype != leaf.dtype or v.sharding != leaf.src_sharding:
+            raise ValueError(
+                f"leaf {where}: the plan was built for {leaf.dtype}{list(leaf.shape)} on "
+                f"{leaf.src_sharding}, got {v.dtype}{list(v.shape)} on {v.sharding}"
+            )
+    if jax.process_count() > 1 and plan.executor != "collective":
+        raise ValueError(
+            f"the {plan.executor!r} executor runs in one process, but JAX runs "
+            f"{jax.process_count()} processes; use executor='collective' (or 'auto')"
+        )
+
+    planned = [(i, leaf) for i, leaf in enumerate(plan.leaves) if leaf.kind != HOST]
+    sources = [
+        jax.random.key_data(values[i]) if leaf.kind == KEY else values[i] for i, leaf in planned
+    ]
+    dst_shardings = [
+        leaf.data_dst_sharding if leaf.kind == KEY else leaf.dst_sharding for _, leaf in planned
+    ]
+    devmaps = [{d.id: d for d in s.device_set} for s in dst_shardings]
+
+    if not planned:
+        moved: list[jax.Array] = []
+    elif plan.executor == "host":
+        moved = run_host(_jobs(plan), sources, dst_shardings, devmaps, may_alias=may_alias)
+    elif plan.executor == "device":
+        program = plan._cache.get("device_program")
+        if program is None:
+            program = plan._cache["device_program"] = DeviceProgram(_jobs(plan))
+        moved = run_device(program, sources, dst_shardings, devmaps, may_alias=may_alias)
+    elif plan.executor == "collective":
+        try:
+            from ._collective_executor import run_collective
+        except ImportError as e:  # pragma: no cover - until the module lands
+            raise NotImplementedError(
+                "the collective executor is not available in this build"
+            ) from e
+        moved = run_collective(plan, sources, dst_shardings, donate=donate, may_alias=may_alias)
+    else:  # pragma: no cover - validated in plan()
+        raise ValueError(f"unknown executor {plan.executor!r}")
+
+    out = list(values)
+    for (i, leaf), arr in zip(planned, moved, strict=True):
+        out[i] = (
+            jax.random.wrap_key_data(arr, impl=jax.random.key_impl(values[i]))
+            if leaf.kind == KEY
+            else arr
+        )
+    host = [i for i, leaf in enumerate(plan.leaves) if leaf.kind == HOST]
+    if host:
+        placed = jax.device_put(
+            [values[i] for i in host], [plan.leaves[i].dst_sharding for i in host]
+        )
+        for i, arr in zip(host, placed, strict=True):
+            out[i] = arr
+
+    # Donation is the very last step: every output exists, so nothing can be lost.
+    if donate:
+        for (i, _leaf), src, lp in zip(planned, sources, plan.leaf_plans, strict=True):
+            reused_devices = (
+                {lp.spec.src[si].device for _, si in lp.reused} if may_alias is not False else set()
+            )
+            _donate(values[i], src, reused_devices)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _donate(x: jax.Array, data: jax.Array, keep_devices: set[int]) -> None:
+    """Frees ``x``'s buffers, except those handed over to the output unchanged."""
+    if not keep_devices:
+        x.delete()
+        return
+    for dev, buf in _compat.device_buffers(data).items():
+        if dev not in keep_devices:
+            buf.delete()

@@ -1,0 +1,187 @@
+"""``Plan``: everything decided before a byte moves, for one pytree.
+
+A plan is built from avals and shardings only (``reshard.plan``), is immutable, and
+can be executed many times on arrays of the same avals and shardings. It carries the
+planner's pieces and statistics, a readable summary (``str(plan)``), a transfer matrix
+and a JSON-ready dictionary form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from jax.sharding import Sharding
+
+from ._geometry import volume
+from ._planner import LeafPlan, PlanStats
+
+# How a leaf is handled: planned array, planned PRNG-key array (moved as its key data),
+# or anything else (numpy, Python scalars), which goes through ``jax.device_put``.
+ARRAY, KEY, HOST = "array", "key", "host"
+
+
+@dataclass(frozen=True)
+class LeafInfo:
+    """One leaf of the input pytree, as seen when planning."""
+
+    path: str
+    kind: str  # ARRAY, KEY or HOST
+    shape: tuple[int, ...]
+    dtype: Any
+    src_sharding: Sharding | None
+    dst_sharding: Sharding
+    # For KEY leaves: the key data's shardings (source and destination).
+    data_src_sharding: Sharding | None = None
+    data_dst_sharding: Sharding | None = None
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A resharding plan for one pytree. Build with ``reshard.plan``.
+
+    Attributes:
+      treedef: structure of the input (and output) pytree.
+      leaves: per leaf, its path, kind, aval and shardings.
+      leaf_plans: the planner's result for every planned (array or key) leaf, in order.
+      stats: byte counts, transfers, per-device load (see ``PlanStats``).
+      executor: how the plan runs: ``"host"``, ``"device"`` or ``"collective"``.
+      avoid_devices: device ids whose shards the plan never reads.
+    """
+
+    treedef: Any
+    leaves: tuple[LeafInfo, ...]
+    leaf_plans: tuple[LeafPlan, ...]
+    stats: PlanStats
+    executor: str
+    avoid_devices: frozenset[int] = frozenset()
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    # -- running -----------------------------------------------------------------
+
+    def execute(self, x: Any, *, donate: bool = False, may_alias: bool | None = None) -> Any:
+        """Runs the plan on ``x`` (same structure, avals and shardings it was built for).
+
+        Args:
+          x: the pytree to move.
+          donate: free the source arrays after the whole pytree has been moved (never
+            before: a failure leaves every input intact).
+          may_alias: ``False`` forces a copy even of shards that do not change; ``None``
+            or ``True`` hands such shards over without copying.
+
+        Returns:
+          A pytree like ``x`` with every leaf committed to its destination sharding.
+        """
+        from ._execute import execute_plan
+
+        return execute_plan(self, x, donate=donate, may_alias=may_alias)
+
+    # -- describing --------------------------------------------------------------
+
+    @property
+    def planned_leaves(self) -> tuple[LeafInfo, ...]:
+        return tuple(leaf for leaf in self.leaves if leaf.kind != HOST)
+
+    def transfer_matrix(self) -> tuple[list[int], list[int], np.ndarray]:
+        """Bytes moved from each source device to each destination device.
+
+        Returns:
+          ``(source device ids, destination device ids, matrix)`` where
+          ``matrix[i, j]`` is the number of bytes device ``src[i]`` sends to device
+          ``dst[j]``. Kept bytes (already in place) are not included.
+        """
+        src_ids: set[int] = set()
+        dst_ids: set[int] = set()
+        for lp in self.leaf_plans:
+            src_ids.update(s.device for s in lp.spec.src)
+            dst_ids.update(s.device for s in lp.spec.dst)
+        srcs, dsts = sorted(src_ids), sorted(dst_ids)
+        si = {d: i for i, d in enumerate(srcs)}
+        di = {d: i for i, d in enumerate(dsts)}
+        m = np.zeros((len(srcs), len(dsts)), dtype=np.int64)
+        for lp in self.leaf_plans:
+            spec = lp.spec
+            for p in lp.moved:
+                m[si[spec.src[p.src].device], di[spec.dst[p.dst].device]] += (
+                    volume(p.box) * spec.itemsize
+                )
+        return srcs, dsts, m
+
+    def to_dict(self, *, pieces: bool = True) -> dict[str, Any]:
+        """A JSON-ready description: statistics, and per leaf its pieces."""
+        out: dict[str, Any] = {"executor": self.executor, "stats": self.stats.as_dict()}
+        out["avoid_devices"] = sorted(self.avoid_devices)
+        leaves = []
+        plans = iter(self.leaf_plans)
+        for leaf in self.leaves:
+            d: dict[str, Any] = {
+                "path": leaf.path,
+                "kind": leaf.kind,
+                "shape": list(leaf.shape),
+                "dtype": str(leaf.dtype),
+            }
+            if leaf.kind != HOST:
+                lp = next(plans)
+                d["bytes_moved"] = lp.bytes_moved
+                d["transfers"] = len(lp.moved)
+                if pieces:
+                    spec = lp.spec
+                    d["pieces"] = [
+                        {
+                            "box": [list(b) for b in p.box],
+                            "src_device": spec.src[p.src].device,
+                            "src_memory_kind": spec.src[p.src].memory_kind,
+                            "dst_device": spec.dst[p.dst].device,
+                            "dst_memory_kind": spec.dst[p.dst].memory_kind,
+                            "bytes": volume(p.box) * spec.itemsize,
+                        }
+                        for p in lp.moved
+                    ]
+            leaves.append(d)
+        out["leaves"] = leaves
+        return out
+
+    def __str__(self) -> str:
+        s = self.stats
+        n_planned = len(self.leaf_plans)
+        n_host = len(self.leaves) - n_planned
+        devices = {d.device for lp in self.leaf_plans for d in lp.spec.dst}
+        optimal = "optimal" if s.bytes_moved == s.bytes_lower_bound else "ABOVE the lower bound"
+        recv_max = max(s.recv_bytes.values(), default=0)
+        lines = [
+            f"reshard plan ({self.executor} executor): {n_planned} array(s)"
+            + (f" + {n_host} host leaf/leaves via jax.device_put" if n_host else ""),
+            f"  data:        {human_bytes(s.array_bytes)} logical, "
+            f"{human_bytes(s.bytes_total)} at the destination on {len(devices)} device(s)",
+            f"  moved:       {human_bytes(s.bytes_moved)} in {s.transfers} transfer(s) "
+            f"(lower bound {human_bytes(s.bytes_lower_bound)}: {optimal})",
+            f"  kept:        {human_bytes(s.bytes_kept)} already in place",
+            f"  send/device: max {human_bytes(s.max_send_bytes)}, mean {human_bytes(s.mean_send_bytes)} "
+            f"over {sum(1 for v in s.send_bytes.values() if v)} sender(s)",
+            f"  recv/device: max {human_bytes(recv_max)}",
+            f"  peak extra:  max {human_bytes(s.max_peak_extra_bytes)} on one device",
+        ]
+        if self.avoid_devices:
+            lines.append(f"  avoiding:    devices {sorted(self.avoid_devices)}")
+        return "\n".join(lines)
+
+    def describe_leaves(self, limit: int = 20) -> str:
+        """One line per planned leaf: path, shape, bytes moved, transfers."""
+        rows = []
+        for leaf, lp in zip(self.planned_leaves, self.leaf_plans, strict=True):
+            rows.append(
+                f"  {leaf.path or '<root>'}: {leaf.dtype}{list(leaf.shape)} moved "
+                f"{human_bytes(lp.bytes_moved)} in {len(lp.moved)} piece(s)"
+            )
+        more = len(rows) - limit
+        return "\n".join(rows[:limit] + ([f"  ... and {more} more"] if more > 0 else []))

@@ -1,0 +1,349 @@
+"""The planner: which bytes move from which location to which, decided before any move.
+
+Vocabulary (see also ``_geometry``):
+
+* **location** -- ``(device id, memory kind)``. Bytes already at the right location
+  need no transfer.
+* **piece** -- one copy of a box from a source shard to a destination shard. A piece
+  whose two shards sit at the same location is *kept* (no transfer); any other piece is
+  *moved*.
+* **leaf plan** -- the kept and moved pieces of one array.
+
+The planner is pure: it sees shapes, element sizes and shard boxes with their
+locations, never array values or real devices, so it runs for thousands of synthetic
+devices. It is deterministic (every process of a multi-controller run builds the same
+plan) and moves exactly the lower bound: for each destination shard, the bytes not
+already at its location.
+
+Among replicas of a source box it picks the holder that keeps the busiest sender least
+loaded (greedy, largest requests first), preferring holders in the destination's own
+process; it never reads from devices the caller asks it to avoid.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ._errors import DataLossError
+from ._geometry import Box, intersect, merge_boxes, subtract, volume
+
+Location = tuple[int, str]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where one shard lives: device id, memory kind, owning process, and its box."""
+
+    device: int
+    memory_kind: str
+    process: int
+    box: Box
+
+    @property
+    def location(self) -> Location:
+        return (self.device, self.memory_kind)
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """What the planner needs to know about one array: no values, no devices.
+
+    ``itemsize`` is the number of bytes per element of ``shape``. Shards are listed in
+    a fixed order (the executor refers to them by index).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    src: tuple[ShardSpec, ...]
+    dst: tuple[ShardSpec, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One copy of ``box`` from source shard ``src`` to destination shard ``dst``.
+
+    ``src``/``dst`` index the ``LeafSpec.src``/``LeafSpec.dst`` shard tuples.
+    """
+
+    box: Box
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class LeafPlan:
+    """The pieces of one array. ``reused`` lists destination shards that are exactly a
+    source shard at the same location: its buffer can be handed over with no copy."""
+
+    spec: LeafSpec
+    kept: tuple[Piece, ...]
+    moved: tuple[Piece, ...]
+    reused: tuple[tuple[int, int], ...]  # (dst shard index, src shard index)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(volume(p.box) for p in self.moved) * self.spec.itemsize
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """Numbers that describe a plan. All byte counts are exact.
+
+    Attributes:
+      array_bytes: logical bytes of all arrays (each element once).
+      bytes_total: bytes of all destination shards (replicas counted each time).
+      bytes_moved: bytes copied between different locations.
+      bytes_kept: destination bytes already at their location (no transfer).
+      bytes_lower_bound: independently computed minimum of ``bytes_moved``.
+      transfers: number of moved pieces (after merging adjacent ones).
+      send_bytes / recv_bytes: per device id, bytes sent / received.
+      peak_extra_bytes: per device id, bytes of new destination buffers the executor
+        allocates there while the sources are still alive (reused shards excluded).
+    """
+
+    array_bytes: int
+    bytes_total: int
+    bytes_moved: int
+    bytes_kept: int
+    bytes_lower_bound: int
+    transfers: int
+    send_bytes: dict[int, int] = field(repr=False)
+    recv_bytes: dict[int, int] = field(repr=False)
+    peak_extra_bytes: dict[int, int] = field(repr=False)
+
+    @property
+    def max_send_bytes(self) -> int:
+        return max(self.send_bytes.values(), default=0)
+
+    @property
+    def mean_send_bytes(self) -> float:
+        senders = [b for b in self.send_bytes.values() if b]
+        return sum(senders) / len(senders) if senders else 0.0
+
+    @property
+    def max_peak_extra_bytes(self) -> int:
+        return max(self.peak_extra_bytes.values(), default=0)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "array_bytes": self.array_bytes,
+            "bytes_total": self.bytes_total,
+            "bytes_moved": self.bytes_moved,
+            "bytes_kept": self.bytes_kept,
+            "bytes_lower_bound": self.bytes_lower_bound,
+            "transfers": self.transfers,
+            "max_send_bytes": self.max_send_bytes,
+            "mean_send_bytes": self.mean_send_bytes,
+            "max_peak_extra_bytes": self.max_peak_extra_bytes,
+            "send_bytes": {str(k): v for k, v in sorted(self.send_bytes.items())},
+            "recv_bytes": {str(k): v for k, v in sorted(self.recv_bytes.items())},
+            "peak_extra_bytes": {str(k): v for k, v in sorted(self.peak_extra_bytes.items())},
+        }
+
+
+class _BoxIndex:
+    """Finds the distinct source boxes that overlap a query box.
+
+    Per dimension it keeps the sorted distinct intervals; a query takes, per dimension,
+    the intervals that overlap it and looks up their products. For grid shardings (all
+    of JAX's) the candidates are exactly the overlapping boxes, so a query costs the
+    size of its answer, not the number of shards.
+    """
+
+    def __init__(self, boxes: Sequence[Box]) -> None:
+        self.boxes = list(boxes)
+        self.position = {b: i for i, b in enumerate(self.boxes)}
+        rank = len(self.boxes[0]) if self.boxes else 0
+        self.intervals = [sorted({b[d] for b in self.boxes}) for d in range(rank)]
+        self.stops = [[iv[1] for iv in ivs] for ivs in self.intervals]
+        # Intervals are sorted by start; sorting by stop too holds for grids. When it
+        # doesn't (irregular tilings), fall back to scanning.
+        self.grid = all(s == sorted(s) for s in self.stops)
+
+    def overlapping(self, query: Box) -> list[int]:
+        per_dim: list[list[tuple[int, int]]] = []
+        for d, (q0, q1) in enumerate(query):
+            ivs = self.intervals[d]
+            if self.grid:
+                lo = bisect.bisect_right(self.stops[d], q0)
+                cand = []
+                for iv in ivs[lo:]:
+                    if iv[0] >= q1:
+                        break
+                    cand.append(iv)
+            else:
+                cand = [iv for iv in ivs if iv[0] < q1 and q0 < iv[1]]
+            per_dim.append(cand)
+        out: list[int] = []
+        combos: list[tuple[tuple[int, int], ...]] = [()]
+        for cand in per_dim:
+            combos = [c + (iv,) for c in combos for iv in cand]
+        for c in combos:
+            i = self.position.get(c)
+            if i is not None:
+                out.append(i)
+        return out
+
+
+def _check_tiling(spec: LeafSpec, side: str, shards: Sequence[ShardSpec]) -> list[Box]:
+    distinct = sorted({s.box for s in shards})
+    total = math.prod(spec.shape)
+    covered = sum(volume(b) for b in distinct)
+    if covered != total:
+        raise ValueError(
+            f"{spec.name}: the {side} shards do not tile the array of shape {spec.shape} "
+            f"exactly ({covered} elements in distinct shards, {total} in the array); "
+            "shardings with overlapping or missing shards are not supported"
+        )
+    return distinct
+
+
+def lower_bound_bytes(spec: LeafSpec) -> int:
+    """Bytes that any plan must move: per destination shard, what is not at its location.
+
+    Computed directly from the shard lists, independently of the planner's pieces.
+    """
+    at = {s.location: s.box for s in spec.src}
+    missing = 0
+    for d in spec.dst:
+        have = at.get(d.location)
+        overlap = intersect(d.box, have) if have is not None else None
+        missing += volume(d.box) - (volume(overlap) if overlap is not None else 0)
+    return missing * spec.itemsize
+
+
+def plan_leaves(
+    leaves: Sequence[LeafSpec],
+    *,
+    avoid_devices: Iterable[int] = (),
+) -> tuple[tuple[LeafPlan, ...], PlanStats]:
+    """Plans a group of arrays together (replica choice balances load across all).
+
+    Args:
+      leaves: the arrays to plan.
+      avoid_devices: device ids whose source shards must not be read (lost devices).
+
+    Returns:
+      The per-leaf plans and the group's statistics.
+
+    Raises:
+      DataLossError: some box of some leaf has no copy outside ``avoid_devices``
+        (raised before anything could move).
+      ValueError: a sharding's shards do not tile its array.
+    """
+    avoid = frozenset(avoid_devices)
+    # Requests: (bytes, leaf index, dst shard index, region box, candidate src shards).
+    requests: list[tuple[int, int, int, Box, tuple[int, ...]]] = []
+    kept: list[list[Piece]] = [[] for _ in leaves]
+    reused: list[list[tuple[int, int]]] = [[] for _ in leaves]
+    missing: list[tuple[str, Box]] = []
+
+    for li, spec in enumerate(leaves):
+        distinct = _check_tiling(spec, "source", spec.src)
+        _check_tiling(spec, "destination", spec.dst)
+        holders: dict[Box, list[int]] = defaultdict(list)
+        for si, s in enumerate(spec.src):
+            if s.device not in avoid:
+                holders[s.box].append(si)
+        lost = [b for b in distinct if b not in holders]
+        if lost:
+            missing.extend((spec.name, b) for b in merge_boxes(lost))
+            continue
+        index = _BoxIndex(distinct)
+        at = {s.location: si for si, s in enumerate(spec.src) if s.device not in avoid}
+        region_cache: dict[Box, list[tuple[Box, tuple[int, ...]]]] = {}
+        for di, d in enumerate(spec.dst):
+            local = at.get(d.location)
+            regions = [d.box]
+            if local is not None:
+                sbox = spec.src[local].box
+                if sbox == d.box:
+                    reused[li].append((di, local))
+                    continue
+                overlap = intersect(d.box, sbox)
+                if overlap is not None:
+                    kept[li].append(Piece(overlap, local, di))
+                    regions = subtract(d.box, overlap)
+            for region in regions:
+                parts = region_cache.get(region)
+                if parts is None:
+                    parts = []
+                    for bi in index.overlapping(region):
+                        b = index.boxes[bi]
+                        ov = intersect(region, b)
+                        if ov is not None:
+                            parts.append((ov, tuple(holders[b])))
+                    region_cache[region] = parts
+                for ov, cands in parts:
+                    requests.append((volume(ov) * spec.itemsize, li, di, ov, cands))
+
+    if missing:
+        raise DataLossError(missing)
+
+    # Greedy balanced choice among replicas: biggest requests first, each to the
+    # candidate (same process as the destination if possible) with the least load.
+    requests.sort(key=lambda r: (-r[0], r[1], r[2], r[3]))
+    load: dict[int, int] = defaultdict(int)
+    chosen: dict[tuple[int, int, int], list[Box]] = defaultdict(list)
+    for nbytes, li, di, box, cands in requests:
+        spec = leaves[li]
+        dproc = spec.dst[di].process
+        pool = [c for c in cands if spec.src[c].process == dproc] or list(cands)
+        best = min(pool, key=lambda c: (load[spec.src[c].device], spec.src[c].device))
+        load[spec.src[best].device] += nbytes
+        chosen[(li, best, di)].append(box)
+
+    moved: list[list[Piece]] = [[] for _ in leaves]
+    for (li, si, di), boxes in sorted(chosen.items()):
+        for box in merge_boxes(boxes):
+            moved[li].append(Piece(box, si, di))
+
+    plans = tuple(
+        LeafPlan(spec, tuple(kept[li]), tuple(moved[li]), tuple(reused[li]))
+        for li, spec in enumerate(leaves)
+    )
+    return plans, _stats(plans)
+
+
+def _stats(plans: Sequence[LeafPlan]) -> PlanStats:
+    send: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    peak: dict[int, int] = defaultdict(int)
+    array_bytes = bytes_total = bytes_moved = bytes_kept = lower = transfers = 0
+    for lp in plans:
+        spec = lp.spec
+        isz = spec.itemsize
+        array_bytes += math.prod(spec.shape) * isz
+        lower += lower_bound_bytes(spec)
+        reused_dst = {di for di, _ in lp.reused}
+        for di, d in enumerate(spec.dst):
+            nbytes = volume(d.box) * isz
+            bytes_total += nbytes
+            if di in reused_dst:
+                bytes_kept += nbytes
+            else:
+                peak[d.device] += nbytes
+        for p in lp.kept:
+            bytes_kept += volume(p.box) * isz
+        for p in lp.moved:
+            nbytes = volume(p.box) * isz
+            bytes_moved += nbytes
+            transfers += 1
+            send[spec.src[p.src].device] += nbytes
+            recv[spec.dst[p.dst].device] += nbytes
+    return PlanStats(
+        array_bytes=array_bytes,
+        bytes_total=bytes_total,
+        bytes_moved=bytes_moved,
+        bytes_kept=bytes_kept,
+        bytes_lower_bound=lower,
+        transfers=transfers,
+        send_bytes=dict(send),
+        recv_bytes=dict(recv),
+        peak_extra_bytes=dict(peak),
+    )
