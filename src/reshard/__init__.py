@@ -14,6 +14,8 @@ from ._api import clear_plan_cache as clear_plan_cache
 from ._api import plan as plan
 from ._api import reshard as reshard
 from ._errors import DataLossError as DataLossError
+from ._plan import Plan as Plan
+from ._planner import PlanStats as PlanStats
 
 # --- seed helpers: intermediate shardings, mesh-axis split/concatenate (issue 3) ---
 from ._intermediate import INTERMEDIATE_REPLICA_SUFFIX as INTERMEDIATE_REPLICA_SUFFIX
@@ -26,8 +28,6 @@ from ._intermediate import find_intermediate_sharding as find_intermediate_shard
 from ._intermediate import (
     reshard_with_intermediate_sharding as reshard_with_intermediate_sharding,
 )
-from ._plan import Plan as Plan
-from ._planner import PlanStats as PlanStats
 from ._split import concatenate_by_mesh_axis as concatenate_by_mesh_axis
 from ._split import split_by_mesh_axis as split_by_mesh_axis
 
