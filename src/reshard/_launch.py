@@ -1,0 +1,563 @@
+"""Local multi-process launcher: N JAX processes x M simulated CPU devices on one machine.
+
+Multi-controller JAX runs one process per host; every process calls the same program
+with the same arguments and JAX's distributed runtime (``jax.distributed``) connects
+them. This module reproduces that on one machine so tests, demos and users can try
+``reshard`` across processes without a cluster:
+
+- :func:`launch_local` starts ``num_processes`` Python processes, each with
+  ``devices_per_process`` simulated CPU devices, gloo CPU collectives and a coordinator
+  on a free port of 127.0.0.1; it collects every process's stdout, stderr, exit code
+  and (for function targets) return value, and always ends every process it started.
+- :func:`initialize_from_env` is called inside a child (the launcher calls it for you
+  by default) and initialises JAX from the environment variables the launcher sets.
+
+Failure behaviour (why the knobs below exist): a peer that dies makes the others fail
+through ``jax.distributed``'s heartbeats (``heartbeat_timeout_s``); a peer that never
+arrives makes the others fail when ``init_timeout_s`` runs out. A collective blocked on
+a dead peer can hang inside gloo where no heartbeat reaches it, so the launcher does not
+rely on the children alone: once one process has failed, the rest get
+``peer_failure_grace_s`` to report their own error and are then killed, and
+``timeout_s`` bounds the whole run. Every child runs in its own process group (killed as
+a group) and dies with the launcher (Linux parent-death signal plus a watchdog thread),
+so no process outlives a launch.
+
+Example:
+    >>> from reshard._launch import launch_local
+    >>> results = launch_local("mypkg.worker:main", num_processes=2,
+    ...                        devices_per_process=4, timeout_s=60)  # doctest: +SKIP
+    >>> [r.value for r in results]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# Environment variables the launcher sets in each child; `initialize_from_env` reads them.
+ENV_COORDINATOR_ADDRESS = "RESHARD_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "RESHARD_NUM_PROCESSES"
+ENV_PROCESS_ID = "RESHARD_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "RESHARD_DEVICES_PER_PROCESS"
+ENV_INIT_TIMEOUT_S = "RESHARD_INIT_TIMEOUT_S"
+ENV_HEARTBEAT_TIMEOUT_S = "RESHARD_HEARTBEAT_TIMEOUT_S"
+ENV_SHUTDOWN_TIMEOUT_S = "RESHARD_SHUTDOWN_TIMEOUT_S"
+# Private: how the child finds its target/arguments, and its launcher's pid.
+_ENV_SPEC = "RESHARD_LAUNCH_SPEC"
+_ENV_PARENT_PID = "RESHARD_LAUNCH_PARENT_PID"
+
+# The child is started with `python -c` rather than `python -m reshard._launch`, so
+# this module is imported once under its real name (no duplicate `__main__` copy).
+_CHILD_BOOTSTRAP = "import reshard._launch as _l; _l._child_main()"
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_POLL_S = 0.02
+_TERM_GRACE_S = 2.0  # SIGTERM -> SIGKILL escalation when the launcher ends a process
+
+
+class LaunchError(RuntimeError):
+    """A local multi-process launch failed: a process exited non-zero, or time ran out.
+
+    Attributes:
+        results: one :class:`ProcessResult` per process, in process-id order.
+    """
+
+    def __init__(self, message: str, results: list[ProcessResult]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessResult:
+    """What one launched process did.
+
+    Attributes:
+        process_id: the JAX process index (``jax.process_index()`` in the child).
+        returncode: exit status; negative means killed by that signal number.
+        stdout: everything the process wrote to stdout.
+        stderr: everything the process wrote to stderr (tracebacks land here).
+        value: the JSON-decoded return value of a ``module:function`` target, else None.
+        duration_s: seconds from start until the process ended.
+        terminated: the launcher killed it (timeout, a failed peer, or an interrupt).
+        timed_out: the launcher killed it because ``timeout_s`` ran out.
+    """
+
+    process_id: int
+    returncode: int
+    stdout: str
+    stderr: str
+    value: Any
+    duration_s: float
+    terminated: bool
+    timed_out: bool
+
+    @property
+    def ok(self) -> bool:
+        """True when the process exited with status 0 on its own."""
+        return self.returncode == 0 and not self.terminated
+
+    def describe(self) -> str:
+        """One line: which process, how it ended, and when."""
+        if self.returncode < 0:
+            try:
+                how = f"killed by {signal.Signals(-self.returncode).name}"
+            except ValueError:
+                how = f"killed by signal {-self.returncode}"
+        else:
+            how = f"exit code {self.returncode}"
+        why = ""
+        if self.timed_out:
+            why = " (launcher timeout)"
+        elif self.terminated:
+            why = " (terminated by the launcher after a peer failed)"
+        return f"process {self.process_id}: {how}{why} after {self.duration_s:.1f} s"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Returns a TCP port on ``host`` that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def launch_local(
+    target: str,
+    num_processes: int = 2,
+    devices_per_process: int = 4,
+    *,
+    timeout_s: float = 120.0,
+    args: Sequence[Any] = (),
+    env: Mapping[str, str] | None = None,
+    initialize: bool = True,
+    check: bool = True,
+    init_timeout_s: int = 30,
+    heartbeat_timeout_s: int = 10,
+    shutdown_timeout_s: int = 10,
+    peer_failure_grace_s: float = 5.0,
+    cwd: str | os.PathLike[str] | None = None,
+) -> list[ProcessResult]:
+    """Runs ``target`` in ``num_processes`` local JAX processes and waits for all of them.
+
+    Each process gets ``devices_per_process`` simulated CPU devices, gloo collectives and
+    the coordinator address of a free port on 127.0.0.1, so the processes together see
+    ``num_processes * devices_per_process`` global devices (``jax.devices()``).
+
+    Args:
+        target: what every process runs, one of: ``"pkg.module:function"`` or
+            ``"path/to/file.py:function"`` (called as ``function(*args)``; its return
+            value must be JSON-serialisable and comes back as ``ProcessResult.value``);
+            ``"path/to/script.py"`` or ``"pkg.module"`` (run as ``__main__`` with
+            ``sys.argv[1:] == [str(a) for a in args]``).
+        num_processes: how many processes (>= 1).
+        devices_per_process: simulated CPU devices per process (>= 1).
+        timeout_s: hard limit for the whole launch; then every process is killed.
+        args: arguments for the target (JSON-serialisable for function targets).
+        env: extra environment variables for the children (override the defaults,
+            e.g. ``{"JAX_PLATFORMS": "cuda"}``).
+        initialize: call :func:`initialize_from_env` before the target. Pass False when
+            the target calls it itself (e.g. to test a process that arrives late).
+        check: raise :class:`LaunchError` unless every process exited with status 0.
+        init_timeout_s: ``jax.distributed`` initialisation timeout: how long processes
+            wait for a peer that never arrives.
+        heartbeat_timeout_s: ``jax.distributed`` heartbeat timeout: how long until a
+            dead peer is declared dead.
+        shutdown_timeout_s: ``jax.distributed`` shutdown-barrier timeout at exit.
+        peer_failure_grace_s: after a process fails, how long the others may keep
+            running (to report their own error) before the launcher kills them.
+        cwd: working directory of the children (default: the current one).
+
+    Returns:
+        One :class:`ProcessResult` per process, in process-id order.
+
+    Raises:
+        ValueError: a count or timeout is out of range, or ``args`` is not
+            JSON-serialisable.
+        LaunchError: with ``check=True``, when any process failed or timed out; the
+            message names the process that failed first and shows its stderr tail.
+    """
+    if num_processes < 1 or devices_per_process < 1:
+        raise ValueError(
+            "launch_local needs num_processes >= 1 and devices_per_process >= 1; got "
+            f"num_processes={num_processes}, devices_per_process={devices_per_process}."
+        )
+    if timeout_s <= 0:
+        raise ValueError(f"launch_local needs timeout_s > 0; got timeout_s={timeout_s}.")
+    try:
+        args_json = json.dumps(list(args))
+    except TypeError as e:
+        raise ValueError(
+            f"launch_local args must be JSON-serialisable (they cross a process "
+            f"boundary); got args={args!r}: {e}"
+        ) from e
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="reshard-launch-") as tmp:
+        workdir = Path(tmp)
+        procs: list[subprocess.Popen[bytes]] = []
+        files: list[tuple[Path, Path, Path]] = []
+        start = time.monotonic()
+        ended_at: dict[int, float] = {}
+        terminated: set[int] = set()
+        timed_out = False
+        try:
+            for pid in range(num_processes):
+                out_p, err_p, res_p = (workdir / f"{pid}.{k}" for k in ("out", "err", "json"))
+                spec_p = workdir / f"{pid}.spec.json"
+                spec_p.write_text(
+                    json.dumps(
+                        {
+                            "target": target,
+                            "args": json.loads(args_json),
+                            "initialize": initialize,
+                            "result_path": str(res_p),
+                        }
+                    )
+                )
+                child_env = _child_environment(
+                    env,
+                    coordinator=f"127.0.0.1:{port}",
+                    num_processes=num_processes,
+                    process_id=pid,
+                    devices_per_process=devices_per_process,
+                    init_timeout_s=init_timeout_s,
+                    heartbeat_timeout_s=heartbeat_timeout_s,
+                    shutdown_timeout_s=shutdown_timeout_s,
+                    spec_path=spec_p,
+                )
+                files.append((out_p, err_p, res_p))
+                with open(out_p, "wb") as out_f, open(err_p, "wb") as err_f:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-c", _CHILD_BOOTSTRAP],
+                            stdin=subprocess.DEVNULL,
+                            stdout=out_f,
+                            stderr=err_f,
+                            env=child_env,
+                            cwd=cwd,
+                            # Own process group: we can kill the child together with
+                            # anything it spawned, and a Ctrl-C in the terminal reaches
+                            # only us (we then end the children ourselves).
+                            start_new_session=True,
+                        )
+                    )
+            deadline = start + timeout_s
+            first_failure_at: float | None = None
+            while len(ended_at) < num_processes:
+                now = time.monotonic()
+                for pid, proc in enumerate(procs):
+                    if pid not in ended_at and proc.poll() is not None:
+                        ended_at[pid] = now
+                        if proc.returncode != 0 and first_failure_at is None:
+                            first_failure_at = now
+                if len(ended_at) == num_processes:
+                    break
+                peer_deadline = (
+                    first_failure_at + peer_failure_grace_s
+                    if first_failure_at is not None
+                    else float("inf")
+                )
+                if now >= deadline or now >= peer_deadline:
+                    timed_out = now >= deadline and now < peer_deadline
+                    for pid in range(num_processes):
+                        if pid not in ended_at:
+                            terminated.add(pid)
+                    _end_all(procs, ended_at)
+                    break
+                time.sleep(_POLL_S)
+        finally:
+            # Reached on success, on timeout, and on any exception including
+            # KeyboardInterrupt: nothing we started may survive us.
+            for pid in range(num_processes):
+                if pid < len(procs) and pid not in ended_at and procs[pid].poll() is None:
+                    terminated.add(pid)
+            _end_all(procs, ended_at)
+
+        results = []
+        for pid, proc in enumerate(procs):
+            out_p, err_p, res_p = files[pid]
+            value = None
+            if res_p.exists():
+                with contextlib.suppress(ValueError):
+                    value = json.loads(res_p.read_text())
+            results.append(
+                ProcessResult(
+                    process_id=pid,
+                    returncode=int(proc.returncode),
+                    stdout=out_p.read_text(errors="replace"),
+                    stderr=err_p.read_text(errors="replace"),
+                    value=value,
+                    duration_s=ended_at.get(pid, time.monotonic()) - start,
+                    terminated=pid in terminated,
+                    timed_out=timed_out and pid in terminated,
+                )
+            )
+    if check and not all(r.ok for r in results):
+        raise LaunchError(_failure_message(target, results, timeout_s), results)
+    return results
+
+
+def _end_all(procs: Sequence[subprocess.Popen[bytes]], ended_at: dict[int, float]) -> None:
+    """Ends every process group we started: SIGTERM, then SIGKILL after a short grace.
+
+    SIGTERM first so a child may flush its output; SIGKILL because a process blocked in
+    a native collective (gloo) may never act on SIGTERM. Groups whose leader already
+    exited still get the signals, which reaps anything the child left behind.
+    """
+    for sig, wait_s in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, 5.0)):
+        live = [p for p in procs if p.poll() is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)
+        t_end = time.monotonic() + wait_s
+        for p in live:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.0, t_end - time.monotonic()))
+        if all(p.poll() is not None for p in procs):
+            break
+    now = time.monotonic()
+    for pid, p in enumerate(procs):
+        if p.poll() is not None:
+            ended_at.setdefault(pid, now)
+
+
+def _failure_message(target: str, results: list[ProcessResult], timeout_s: float) -> str:
+    """Names the process that failed first, how the others ended, and its stderr tail."""
+    failed = [r for r in results if not r.ok]
+    own_failures = [r for r in failed if not r.terminated]
+    if own_failures:
+        first = min(own_failures, key=lambda r: r.duration_s)
+        head = (
+            f"launch_local({target!r}) failed: process {first.process_id} failed first "
+            f"({first.describe()})."
+        )
+    else:
+        first = failed[0]
+        head = (
+            f"launch_local({target!r}) timed out after {timeout_s:.0f} s and every "
+            "still-running process was killed; raise timeout_s if the work needs longer."
+        )
+    lines = [head, *("  " + r.describe() for r in results)]
+    tail = first.stderr.strip().splitlines()[-25:]
+    if tail:
+        lines.append(f"stderr of process {first.process_id} (last lines):")
+        lines.extend("  | " + line for line in tail)
+    return "\n".join(lines)
+
+
+def _child_environment(
+    extra: Mapping[str, str] | None,
+    *,
+    coordinator: str,
+    num_processes: int,
+    process_id: int,
+    devices_per_process: int,
+    init_timeout_s: int,
+    heartbeat_timeout_s: int,
+    shutdown_timeout_s: int,
+    spec_path: Path,
+) -> dict[str, str]:
+    """The environment of one child: ours, plus what JAX needs before it initialises."""
+    env = dict(os.environ)
+    # An inherited --xla_force_host_platform_device_count (e.g. from a test conftest
+    # that simulates 8 devices) would fight with our per-process device count.
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    env["XLA_FLAGS"] = " ".join(flags)
+    # JAX reads JAX_* config from the environment at import, so these hold even for a
+    # script that imports jax before calling `initialize_from_env`.
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
+    env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
+    env["PYTHONUNBUFFERED"] = "1"  # output survives a kill
+    # The child must import this very package, installed or not.
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+    env.update(
+        {
+            ENV_COORDINATOR_ADDRESS: coordinator,
+            ENV_NUM_PROCESSES: str(num_processes),
+            ENV_PROCESS_ID: str(process_id),
+            ENV_DEVICES_PER_PROCESS: str(devices_per_process),
+            ENV_INIT_TIMEOUT_S: str(init_timeout_s),
+            ENV_HEARTBEAT_TIMEOUT_S: str(heartbeat_timeout_s),
+            ENV_SHUTDOWN_TIMEOUT_S: str(shutdown_timeout_s),
+            _ENV_SPEC: str(spec_path),
+            _ENV_PARENT_PID: str(os.getpid()),
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+def initialize_from_env() -> None:
+    """Initialises JAX in a launched process from the launcher's environment variables.
+
+    Sets the simulated CPU device count and gloo collectives, then calls
+    ``jax.distributed.initialize`` with the coordinator, process count/id and the
+    timeouts chosen by :func:`launch_local`. Idempotent: a second call does nothing.
+    Must run before anything initialises JAX's backends (e.g. ``jax.devices()``).
+
+    Raises:
+        RuntimeError: the launcher's environment variables are missing (not started by
+            :func:`launch_local`), or JAX's backends were initialised too early.
+    """
+    import jax
+    from jax._src import distributed as jax_distributed
+    from jax._src import xla_bridge
+
+    if jax_distributed.global_state.client is not None:
+        return
+    missing = [
+        k
+        for k in (ENV_COORDINATOR_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+        if k not in os.environ
+    ]
+    if missing:
+        raise RuntimeError(
+            f"initialize_from_env: environment variables {missing} are not set; this "
+            "process was not started by reshard's launch_local. Start it with "
+            "launch_local(...), or call jax.distributed.initialize(...) yourself."
+        )
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "initialize_from_env: JAX's backends are already initialised (something "
+            "called jax.devices() or ran a computation first), so the device count and "
+            "collectives can no longer be set. Call initialize_from_env() before any "
+            "other JAX call."
+        )
+    coordinator = os.environ[ENV_COORDINATOR_ADDRESS]
+    jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS", "cpu"))
+    jax.config.update("jax_num_cpu_devices", int(os.environ.get(ENV_DEVICES_PER_PROCESS, "1")))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+        process_id=int(os.environ[ENV_PROCESS_ID]),
+        # Loopback only: the default binds the coordinator on every interface.
+        coordinator_bind_address=coordinator,
+        cluster_detection_method="deactivate",
+        initialization_timeout=int(os.environ.get(ENV_INIT_TIMEOUT_S, "30")),
+        heartbeat_timeout_seconds=int(os.environ.get(ENV_HEARTBEAT_TIMEOUT_S, "10")),
+        shutdown_timeout_seconds=int(os.environ.get(ENV_SHUTDOWN_TIMEOUT_S, "10")),
+    )
+
+
+def _die_with_parent() -> None:
+    """Makes this child, and everything it spawned, end when the launcher dies.
+
+    The kernel sends us SIGTERM when the launcher dies (Linux parent-death signal); our
+    handler then kills our whole process group, grandchildren included (a plain SIGKILL
+    as parent-death signal would orphan them). A handler only runs when the main thread
+    reaches Python code, and a main thread blocked in a collective may not for a long
+    time, so a watchdog thread polling our parent pid does the same; it also covers a
+    parent that died before `prctl` ran, and platforms without a parent-death signal.
+    The launcher's own SIGTERM (when it ends a run) takes the same path.
+    """
+    parent = int(os.environ.get(_ENV_PARENT_PID, "0"))
+
+    def end_group(*_: object) -> None:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os.killpg(0, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, end_group)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if parent and os.getppid() != parent:
+        end_group()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.25)
+            if parent and os.getppid() != parent:
+                end_group()
+
+    threading.Thread(target=watch, name="reshard-launch-watchdog", daemon=True).start()
+
+
+def _resolve_function(target: str) -> Any:
+    """``"pkg.mod:fn"`` or ``"path/file.py:fn"`` -> the function object."""
+    where, _, name = target.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        spec = importlib.util.spec_from_file_location(f"_reshard_launch_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"launch target file {str(path)!r} cannot be loaded")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise AttributeError(
+            f"launch target {target!r}: module {where!r} has no attribute {name!r}"
+        ) from None
+
+
+def _child_main() -> None:
+    """Entry point of a launched child: initialise JAX, run the target, report back."""
+    _die_with_parent()
+    spec = json.loads(Path(os.environ[_ENV_SPEC]).read_text())
+    target: str = spec["target"]
+    args: list[Any] = spec["args"]
+    try:
+        if spec["initialize"]:
+            initialize_from_env()
+        # A Windows drive letter ("C:\\x.py") is a path, not a function target.
+        is_function = ":" in target and not Path(target).exists()
+        if is_function:
+            value = _resolve_function(target)(*args)
+            Path(spec["result_path"]).write_text(json.dumps(value))
+        elif target.endswith(".py"):
+            sys.argv = [target, *map(str, args)]
+            runpy.run_path(target, run_name="__main__")
+        else:
+            sys.argv = [target, *map(str, args)]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code != 0:
+            if not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+            _fail_fast(code)
+        raise
+    except BaseException:
+        traceback.print_exc()
+        _fail_fast(1)
+
+
+def _fail_fast(code: int) -> None:
+    """Exits now, skipping atexit handlers.
+
+    JAX's atexit handler runs a distributed shutdown barrier that waits for every peer
+    (up to ``shutdown_timeout_s``); a failed process must not wait for peers that may be
+    blocked on it. Its peers learn of the failure through the heartbeat instead.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
