@@ -34,3 +34,11 @@ from ._split import split_by_mesh_axis as split_by_mesh_axis
 # --- multi-controller (issue 4) ---
 
 # --- elastic (issue 5) ---
+from ._elastic import DeviceLossError as DeviceLossError
+from ._elastic import ElasticEvent as ElasticEvent
+from ._elastic import ElasticManager as ElasticManager
+from ._elastic import parse_lost_devices as parse_lost_devices
+from ._elastic import recover as recover
+from ._mesh_surgery import carry_shardings as carry_shardings
+from ._mesh_surgery import grow_mesh as grow_mesh
+from ._mesh_surgery import shrink_mesh as shrink_mesh

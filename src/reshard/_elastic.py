@@ -1,0 +1,484 @@
+"""Elastic device sets: recover a pytree from surviving replicas, and a training-loop helper.
+
+When devices fail, the state they held may still exist elsewhere: data-parallel
+replicas, replicated optimizer state. ``recover`` reshards a pytree onto a mesh of
+surviving devices while reading only surviving shards (``reshard(..., avoid_devices=)``);
+the plan is built before any byte moves, so when some box has no surviving copy,
+``DataLossError`` names every leaf path and box that is gone and the inputs are intact.
+
+``ElasticManager`` wraps a user's step function: it keeps the full mesh and the lost
+devices, derives the current mesh with ``shrink_mesh`` (the largest that avoids them),
+recovers the state onto it, retries the step, and spreads the state back when devices
+return. A device loss is signalled by ``mark_lost`` (tests, simulations, a health
+checker), by a ``DeviceLossError`` raised from the step, or by a runtime error whose
+message names failed devices (``parse_lost_devices``).
+
+Out of scope: a lost *process* in a multi-controller run; JAX's distributed runtime
+does not survive it (see docs/elastic.md for what to do instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from ._api import plan as make_plan
+from ._mesh_surgery import carry_shardings, device_id, shrink_mesh
+from ._plan import Plan, human_bytes
+
+logger = logging.getLogger("reshard.elastic")
+
+
+class DeviceLossError(RuntimeError):
+    """Devices are gone: raise it from a step function to make ``ElasticManager`` recover.
+
+    Attributes:
+      devices: the ids of the lost devices.
+
+    Example:
+      >>> raise DeviceLossError([4, 5])
+      Traceback (most recent call last):
+      ...
+      reshard._elastic.DeviceLossError: devices [4, 5] lost
+    """
+
+    def __init__(self, devices: Iterable[Any], message: str | None = None) -> None:
+        self.devices = frozenset(device_id(d) for d in devices)
+        super().__init__(message or f"devices {sorted(self.devices)} lost")
+
+
+def _recover_with_plan(
+    x: Any, sharding: Any, lost_devices: Iterable[Any], *, donate: bool
+) -> tuple[Any, Plan]:
+    lost = frozenset(device_id(d) for d in lost_devices)
+    if isinstance(sharding, Mesh):
+        sharding = carry_shardings(x, sharding)
+    # Elastic events are rare and each has its own avoided set: no point caching.
+    p = make_plan(x, sharding, avoid_devices=lost, cache=False)
+    return p.execute(x, donate=donate), p
+
+
+def recover(x: Any, sharding: Any, lost_devices: Iterable[Any], *, donate: bool = False) -> Any:
+    """Reshards ``x`` onto ``sharding`` reading only shards on surviving devices.
+
+    Every box of every leaf is copied from a device outside ``lost_devices`` (among
+    several surviving replicas the least loaded is chosen), so the result is bit-exact
+    whenever each element still has a copy. The check happens while planning, before
+    any byte moves.
+
+    Args:
+      x: a pytree of ``jax.Array``s (other leaves go through ``jax.device_put``).
+      sharding: a ``Sharding``, a pytree of them that is a tree prefix of ``x``, or a
+        ``Mesh`` -- then each leaf keeps its spec on that mesh (``carry_shardings``).
+        It must not use lost devices (build it with ``shrink_mesh``).
+      lost_devices: devices (or ids) that must not be read.
+      donate: free the sources once the whole pytree has been recovered; when
+        recovery fails nothing is freed.
+
+    Returns:
+      A pytree like ``x``, committed to ``sharding``.
+
+    Raises:
+      DataLossError: some box has no copy outside ``lost_devices``; ``.missing`` lists
+        each ``(leaf path, box)``. Nothing was moved or freed.
+      ValueError: the destination uses a lost device, or any error of
+        ``reshard.reshard``.
+
+    Example:
+      >>> import jax, numpy as np, reshard
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+      >>> w = jax.device_put(np.arange(8.0), NamedSharding(mesh, P("fsdp")))
+      >>> small = reshard.shrink_mesh(mesh, [4, 5], "data")
+      >>> v = reshard.recover(w, small, lost_devices=[4, 5])
+      >>> bool((np.asarray(v) == np.asarray(w)).all()), sorted(d.id for d in v.devices())
+      (True, [0, 1, 2, 3])
+    """
+    return _recover_with_plan(x, sharding, lost_devices, donate=donate)[0]
+
+
+# Status codes and words that runtimes put into errors about failed hardware. Out of
+# memory is a device *error*, not a lost device, so it is excluded explicitly.
+_FAILURE = re.compile(
+    r"\b(UNAVAILABLE|DATA_LOSS|ABORTED|DEADLINE_EXCEEDED|INTERNAL)\b|heartbeat|unhealthy|"
+    r"\blost\b|halted|hardware|uncorrectable|\bECC\b|\bXid\b|device.{0,40}fail|fail.{0,40}device",
+    re.IGNORECASE,
+)
+_NOT_LOSS = re.compile(r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b", re.IGNORECASE)
+# "devices [4, 5]", "device ids: 4, 5"
+_ID_LIST = re.compile(
+    r"\bdevices?[ _]?(?:ids?)?\s*[:=]?\s*[\[(]\s*(\d+(?:\s*,\s*\d+)*)\s*[\])]", re.I
+)
+# "device 3", "device_id=3", "Device(id=3", "TPU_3", "TpuDevice(id=3", "gpu:3", "cuda 3"
+_ID_ONE = re.compile(
+    r"(?:\bdevice[ _]?(?:id|ordinal)?|\bTPU|\bGPU|\bcuda)\s*[:=#_]?\s*(\d+)\b"
+    r"|\w*Device\(id=(\d+)",
+    re.IGNORECASE,
+)
+
+
+def parse_lost_devices(error: BaseException) -> frozenset[int]:
+    """The device ids an error reports as failed; empty when it is not a device loss.
+
+    ``DeviceLossError`` gives its ``.devices``. Any other ``RuntimeError`` (JAX's
+    ``JaxRuntimeError`` is one) counts when its message has a failure status or word
+    (``UNAVAILABLE``, ``DATA_LOSS``, ``INTERNAL``, "heartbeat", "unhealthy", "lost",
+    "hardware", "ECC", "Xid", "device ... failed", ...) and names devices ("device 3",
+    "devices [4, 5]", "TPU_3", "CudaDevice(id=3)", "gpu:3"); out-of-memory errors never
+    count. Runtimes word these errors differently: pass your own parser to
+    ``ElasticManager`` when yours does not match (local GPU ordinals equal global ids
+    only in single-process runs).
+
+    Args:
+      error: the exception a step raised.
+
+    Returns:
+      The ids of the failed devices named in ``error``.
+
+    Example:
+      >>> sorted(parse_lost_devices(RuntimeError("UNAVAILABLE: TPU_3 heartbeat timed out")))
+      [3]
+    """
+    if isinstance(error, DeviceLossError):
+        return error.devices
+    if not isinstance(error, RuntimeError):
+        return frozenset()
+    text = str(error)
+    if _NOT_LOSS.search(text) or not _FAILURE.search(text):
+        return frozenset()
+    ids: set[int] = set()
+    for m in _ID_LIST.finditer(text):
+        ids.update(int(i) for i in m.group(1).split(","))
+    for m in _ID_ONE.finditer(text):
+        ids.add(int(m.group(1) or m.group(2)))
+    return frozenset(ids)
+
+
+@dataclass(frozen=True)
+class ElasticEvent:
+    """One change of the device set, as ``ElasticManager`` handled it.
+
+    Attributes:
+      kind: ``"shrink"`` (devices lost), ``"grow"`` (devices back) or ``"remesh"``.
+      lost: ids of the devices lost since the previous event.
+      returned: ids of the devices that came back since the previous event.
+      old_shape / new_shape: mesh axis sizes before and after.
+      state_bytes: logical bytes of the recovered state (each element once).
+      bytes_moved: bytes copied between devices.
+      bytes_kept: destination bytes that were already in place (no copy).
+      seconds: wall time of the recovery, planning included.
+      cause: what triggered it (``"mark_lost"``, or the error text).
+    """
+
+    kind: str
+    lost: tuple[int, ...]
+    returned: tuple[int, ...]
+    old_shape: dict[str, int]
+    new_shape: dict[str, int]
+    state_bytes: int
+    bytes_moved: int
+    bytes_kept: int
+    seconds: float
+    cause: str
+
+    def __str__(self) -> str:
+        what = []
+        if self.lost:
+            what.append(f"devices {list(self.lost)} lost")
+        if self.returned:
+            what.append(f"devices {list(self.returned)} returned")
+        return (
+            f"{self.kind}: {', '.join(what) or 'no device change'}; mesh {self.old_shape} -> "
+            f"{self.new_shape}; recovered {human_bytes(self.state_bytes)} of state "
+            f"({human_bytes(self.bytes_moved)} copied between devices, "
+            f"{human_bytes(self.bytes_kept)} already in place) in {self.seconds * 1e3:.1f} ms"
+        )
+
+
+def _placed_on(a: jax.Array, mesh: Mesh) -> bool:
+    """Whether ``a`` already lives where ``carry_shardings`` would put it on ``mesh``."""
+    if isinstance(a.sharding, NamedSharding):
+        return a.sharding.mesh == mesh
+    ids = set(mesh.device_ids.ravel().tolist())
+    return all(device_id(d) in ids for d in a.sharding.device_set)
+
+
+StepFn = Callable[..., tuple[Any, Any]]
+
+
+class ElasticManager:
+    """Runs training steps on a mesh that shrinks when devices fail and grows back.
+
+    The manager owns the *full* mesh and the set of lost devices; the current mesh is
+    always ``shrink_mesh(full_mesh, lost, axis)``. When the set changes, the next
+    ``run_step`` (or ``apply``) moves the state onto the new mesh with ``recover``
+    (same specs, reading only surviving shards) and logs an ``ElasticEvent`` to the
+    ``reshard.elastic`` logger.
+
+    The step function is called as ``step_fn(state, mesh, *args, **kwargs)`` and must
+    return ``(new_state, aux)``. It gets the current mesh so that it can place its
+    batch there; it should not donate ``state`` (a failed step is retried with it).
+
+    When ``run_step`` raises after it moved the state (retry limit, data loss on a
+    second failure, an unrelated error on the retry), ``recovered_state`` holds the
+    state on ``mesh``: continue from it (with ``donate=True`` the caller's old state
+    is freed). Without donation the old state also works: ``apply`` recovers it again.
+
+    Args:
+      mesh: the full mesh (all devices healthy).
+      axis: the mesh axis whose slices may be dropped (the data-parallel axis).
+      max_retries: how many device-loss failures one ``run_step`` absorbs before
+        giving up with ``RuntimeError``.
+      allowed_sizes: sizes the axis may take (see ``shrink_mesh``).
+      error_parser: maps an exception to the ids of lost devices (empty: not a device
+        loss, re-raised); default ``parse_lost_devices``.
+      donate: free the old state's buffers after each successful recovery.
+
+    Example:
+      >>> import jax, numpy as np, reshard
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+      >>> state = jax.device_put(np.zeros(8), NamedSharding(mesh, P("fsdp")))
+      >>> em = reshard.ElasticManager(mesh, "data")
+      >>> step = lambda s, mesh: (s + 1, None)
+      >>> em.mark_lost([4, 5])
+      >>> state, _ = em.run_step(step, state)
+      >>> dict(em.mesh.shape), float(state[0])
+      ({'data': 1, 'fsdp': 4}, 1.0)
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        axis: str,
+        *,
+        max_retries: int = 3,
+        allowed_sizes: Iterable[int] | None = None,
+        error_parser: Callable[[BaseException], Iterable[int]] = parse_lost_devices,
+        donate: bool = False,
+    ) -> None:
+        if axis not in mesh.axis_names:
+            raise ValueError(
+                f"ElasticManager: axis {axis!r} is not an axis of the mesh (axis names "
+                f"{tuple(mesh.axis_names)}); pass the data-parallel axis"
+            )
+        if max_retries < 0:
+            raise ValueError(f"ElasticManager: max_retries must be >= 0, got {max_retries}")
+        self.full_mesh = mesh
+        self.axis = axis
+        self.max_retries = max_retries
+        self.allowed_sizes = None if allowed_sizes is None else tuple(allowed_sizes)
+        self.error_parser = error_parser
+        self.donate = donate
+        self.events: list[ElasticEvent] = []
+        self._mesh = mesh
+        self._lost: set[int] = set()
+        self._all = {d.id: d for d in mesh.devices.flat}
+        # Changes not yet applied to the state: (ids lost, ids returned, cause).
+        self._new_lost: set[int] = set()
+        self._new_back: set[int] = set()
+        self._cause = ""
+        # The last state ``apply`` produced, until a step on it succeeds: what a caller
+        # continues from when ``run_step`` raises after moving a donated state.
+        self.recovered_state: Any = None
+
+    # -- what the manager knows ----------------------------------------------------
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh the state lives on (after the last applied change)."""
+        return self._mesh
+
+    @property
+    def lost_devices(self) -> frozenset[int]:
+        """Ids of the devices currently marked lost."""
+        return frozenset(self._lost)
+
+    @property
+    def active_devices(self) -> tuple[Any, ...]:
+        """The devices of the current mesh, in mesh order."""
+        return tuple(self._mesh.devices.flat)
+
+    @property
+    def inactive_devices(self) -> tuple[Any, ...]:
+        """Devices of the full mesh outside the current one: lost, or healthy but idle
+        because their slice holds a lost device."""
+        active = {d.id for d in self.active_devices}
+        return tuple(d for d in self.full_mesh.devices.flat if d.id not in active)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a device change waits to be applied to the state."""
+        return bool(self._new_lost or self._new_back)
+
+    # -- events ----------------------------------------------------------------------
+
+    def mark_lost(self, devices: Iterable[Any], cause: str = "mark_lost") -> None:
+        """Records lost devices; the next ``run_step``/``apply`` recovers the state.
+
+        Raises:
+          ValueError: a device that is not in the full mesh.
+        """
+        ids = self._known(devices, "mark_lost")
+        new = ids - self._lost
+        self._lost |= new
+        self._new_lost |= new
+        self._new_back -= new
+        if new:
+            self._cause = cause
+            logger.warning("devices %s reported lost (%s)", sorted(new), cause)
+
+    def mark_returned(self, devices: Iterable[Any]) -> None:
+        """Records devices that are healthy again; the next step spreads the state back.
+
+        Raises:
+          ValueError: a device that is not in the full mesh.
+        """
+        ids = self._known(devices, "mark_returned") & self._lost
+        self._lost -= ids
+        self._new_back |= ids - self._new_lost
+        self._new_lost -= ids
+        if ids:
+            self._cause = "mark_returned"
+            logger.info("devices %s reported back", sorted(ids))
+
+    def _known(self, devices: Iterable[Any], where: str) -> set[int]:
+        ids = {device_id(d) for d in devices}
+        unknown = sorted(ids - self._all.keys())
+        if unknown:
+            raise ValueError(
+                f"ElasticManager.{where}: devices {unknown} are not in the full mesh (device "
+                f"ids {sorted(self._all)}); to add new devices, build a larger mesh with "
+                "reshard.grow_mesh and a new ElasticManager"
+            )
+        return ids
+
+    # -- moving the state ------------------------------------------------------------
+
+    def apply(self, state: Any) -> Any:
+        """Puts ``state`` on the mesh that avoids the lost devices, moving it if needed.
+
+        The check is by placement, not by history: a state left on an older mesh (say,
+        kept by the caller when ``run_step`` raised) is recovered onto the current one,
+        reading only devices that are not lost.
+
+        Args:
+          state: a pytree of arrays with ``NamedSharding``s on a mesh of the full mesh's
+            devices (normally ``self.mesh``).
+
+        Returns:
+          The state on ``self.mesh`` (the same object when it is already there).
+
+        Raises:
+          ValueError: no mesh avoids the lost devices (see ``shrink_mesh``).
+          DataLossError: the lost devices held the only copy of some box; the mesh,
+            the state and the pending change are left as they were.
+        """
+        target = self._mesh
+        if self.pending:
+            target = shrink_mesh(
+                self.full_mesh, self._lost, self.axis, allowed_sizes=self.allowed_sizes
+            )
+        arrays = [a for a in jax.tree_util.tree_leaves(state) if isinstance(a, jax.Array)]
+        if all(_placed_on(a, target) for a in arrays):
+            self._mesh = target
+            self._clear()
+            return state
+        meshes = {getattr(a.sharding, "mesh", None) for a in arrays}
+        source = next(iter(meshes)) if len(meshes) == 1 else None
+        old_shape = dict(source.shape) if isinstance(source, Mesh) else dict(self._mesh.shape)
+        new_shape = dict(target.shape)
+        held = {device_id(d) for a in arrays for d in a.sharding.device_set}
+        avoid = self._lost & held
+        t0 = time.perf_counter()
+        try:
+            out, p = _recover_with_plan(
+                state, carry_shardings(state, target), avoid, donate=self.donate
+            )
+        except Exception:
+            logger.error(
+                "could not move the state from mesh %s to %s avoiding devices %s",
+                old_shape,
+                new_shape,
+                sorted(avoid),
+            )
+            raise
+        jax.block_until_ready(out)
+        seconds = time.perf_counter() - t0
+        n_old, n_new = math.prod(old_shape.values()), target.devices.size
+        event = ElasticEvent(
+            kind="shrink" if n_new < n_old else "grow" if n_new > n_old else "remesh",
+            lost=tuple(sorted(self._new_lost)),
+            returned=tuple(sorted(self._new_back)),
+            old_shape=old_shape,
+            new_shape=new_shape,
+            state_bytes=p.stats.array_bytes,
+            bytes_moved=p.stats.bytes_moved,
+            bytes_kept=p.stats.bytes_kept,
+            seconds=seconds,
+            cause=self._cause or "the state was not on the current mesh",
+        )
+        self.events.append(event)
+        logger.warning("%s", event)
+        self._mesh = target
+        self._clear()
+        self.recovered_state = out
+        return out
+
+    def _clear(self) -> None:
+        self._new_lost.clear()
+        self._new_back.clear()
+        self._cause = ""
+
+    def run_step(self, step_fn: StepFn, state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Runs ``step_fn(state, mesh, *args, **kwargs)``, recovering from device loss.
+
+        Pending device changes are applied first. When the step raises an error that
+        ``error_parser`` maps to active devices, those devices are marked lost, the
+        state is recovered onto the smaller mesh and the step is retried, at most
+        ``max_retries`` times.
+
+        Args:
+          step_fn: returns ``(new_state, aux)``.
+          state: the training state on ``self.mesh``.
+          *args: passed on (e.g. the host batch, which ``step_fn`` shards on ``mesh``).
+          **kwargs: passed on.
+
+        Returns:
+          ``(new_state, aux)`` from the successful attempt.
+
+        Raises:
+          RuntimeError: more than ``max_retries`` device losses in this step.
+          DataLossError: a loss that destroyed the only copy of some state.
+          Exception: any error of ``step_fn`` that is not a device loss, unchanged.
+        """
+        failures = 0
+        while True:
+            state = self.apply(state)
+            try:
+                out = step_fn(state, self._mesh, *args, **kwargs)
+                # Device failures surface asynchronously; wait so they are caught here.
+                out = jax.block_until_ready(out)
+                self.recovered_state = None
+                return out
+            except Exception as e:
+                active = {d.id for d in self.active_devices}
+                lost = set(self.error_parser(e)) & active
+                if not lost:
+                    raise
+                failures += 1
+                if failures > self.max_retries:
+                    raise RuntimeError(
+                        f"ElasticManager: gave up after {self.max_retries} retries; the last "
+                        f"attempt lost devices {sorted(lost)} (lost so far: "
+                        f"{sorted(self._lost | lost)}). Raise max_retries, or check the hardware"
+                    ) from e
+                self.mark_lost(lost, cause=f"{type(e).__name__}: {e}")
