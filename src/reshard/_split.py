@@ -1,0 +1,502 @@
+"""Split sharded arrays along a mesh axis into sub-mesh parts, and join them again.
+
+A mesh axis of size ``n`` can be cut into parts ``[lo, hi)``; part ``k`` lives on the
+sub-mesh ``mesh.devices[..., lo:hi, ...]`` (same axis names, that axis shortened). An
+array whose spec names the axis in some dimension keeps, in each part, only the shards
+its devices hold, so that dimension shrinks by ``(hi - lo) / n``; an array replicated
+along the axis keeps its full shape in every part.
+
+No byte moves and nothing is copied: every shard of a part *is* a shard of the input
+(the same device buffer), regrouped under a new ``NamedSharding`` with
+``jax.make_array_from_single_device_arrays``. ``concatenate_by_mesh_axis`` is the exact
+inverse. Leaves may also be ``jax.ShapeDtypeStruct``s with a ``NamedSharding``: they get
+the part's shape and sharding, which lets a plan be built for a part without arrays.
+
+Donation: a part shares buffers with its input, and ``jax.Array.delete`` frees buffers
+for every array that holds them, so "consuming" an input cannot mean deleting it. It
+means donating the input to a jitted identity, which XLA answers by handing the same
+buffers to a fresh array and marking the input deleted; the parts are then built from
+that fresh array. (A buffer XLA does not own outright, such as one that still aliases
+the numpy array it was ``device_put`` from, is copied by that identity instead: still
+correct, just not free.) The parts are first built from the untouched inputs, so any
+failure happens before an input is invalidated.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import math
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+__all__ = ["concatenate_by_mesh_axis", "split_by_mesh_axis"]
+
+Leaf = jax.Array | jax.ShapeDtypeStruct
+_R = TypeVar("_R")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _entry_axes(entry: Any) -> tuple[Any, ...]:
+    """The mesh axes one ``PartitionSpec`` entry shards a dimension over, major first."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    if isinstance(entry, tuple | list):
+        return tuple(entry)
+    return (entry,)
+
+
+def _sharded_dim(spec: PartitionSpec, mesh_axis: Any) -> int | None:
+    """The array dimension whose spec entry names ``mesh_axis``; ``None`` if replicated."""
+    for dim, entry in enumerate(spec):
+        if mesh_axis in _entry_axes(entry):
+            return dim
+    return None
+
+
+def shard_count(mesh: Mesh | AbstractMesh, entry: Any) -> int:
+    """How many shards a spec entry cuts its dimension into on ``mesh``."""
+    return math.prod(mesh.shape[axis] for axis in _entry_axes(entry))
+
+
+@functools.lru_cache(maxsize=4096)
+def _named_sharding(mesh: Mesh, spec: PartitionSpec, memory_kind: str | None) -> NamedSharding:
+    # Shardings are hashable and rebuilding them per leaf costs more than the lookup;
+    # reusing one object per (mesh, spec, memory kind) also keeps jit caches warm.
+    return NamedSharding(mesh, spec, memory_kind=memory_kind)
+
+
+@functools.lru_cache(maxsize=1024)
+def _submesh(mesh: Mesh, axis_index: int, lo: int, hi: int) -> Mesh:
+    index = [slice(None)] * mesh.devices.ndim
+    index[axis_index] = slice(lo, hi)
+    return Mesh(mesh.devices[tuple(index)], mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def _flatten_named(tree: Any, what: str) -> tuple[list[str], list[Leaf], Any]:
+    """Flattens ``tree``; every leaf must be an array (or struct) with a NamedSharding."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths, leaves = [], []
+    for path, leaf in with_paths:
+        where = f"{what}{jax.tree_util.keystr(path)}"
+        if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+            raise ValueError(
+                f"{where} is a {type(leaf).__name__}, expected a jax.Array with a "
+                "NamedSharding. Put it on a mesh first, e.g. with reshard.reshard(x, "
+                "NamedSharding(mesh, spec))."
+            )
+        if not isinstance(leaf.sharding, NamedSharding):
+            raise ValueError(
+                f"{where} has sharding {leaf.sharding!r}; only NamedSharding can be split "
+                "or concatenated along a mesh axis. Reshard it to a NamedSharding first."
+            )
+        if not isinstance(leaf.sharding.mesh, Mesh):
+            raise ValueError(
+                f"{where} is on the abstract mesh {leaf.sharding.mesh!r}; splitting and "
+                "concatenating need a Mesh of devices."
+            )
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(f"{where} has been deleted (was it donated earlier?).")
+        paths.append(where)
+        leaves.append(leaf)
+    return paths, leaves, treedef
+
+
+def _named(leaf: Leaf) -> NamedSharding:
+    """A leaf's sharding, which ``_flatten_named`` has checked to be a NamedSharding."""
+    return cast(NamedSharding, leaf.sharding)
+
+
+def _mesh_of(leaf: Leaf) -> Mesh:
+    """A leaf's mesh, which ``_flatten_named`` has checked to be a concrete Mesh."""
+    return cast(Mesh, _named(leaf).mesh)
+
+
+def _one_mesh(paths: Sequence[str], leaves: Sequence[Leaf], who: str, fix: str = "") -> Mesh:
+    """The mesh every leaf is on; a ValueError naming two leaves when they differ."""
+    mesh = _mesh_of(leaves[0])
+    for path, leaf in zip(paths, leaves, strict=True):
+        if _mesh_of(leaf) != mesh:
+            raise ValueError(
+                f"{who} must be on one mesh; {paths[0]} is on {mesh!r} but {path} is on "
+                f"{_mesh_of(leaf)!r}.{fix}"
+            )
+    return mesh
+
+
+def _axis_index(mesh: Mesh, mesh_axis: Any) -> int:
+    if mesh_axis not in mesh.axis_names:
+        raise ValueError(
+            f"mesh_axis={mesh_axis!r} is not an axis of the mesh; its axes are {dict(mesh.shape)}."
+        )
+    return mesh.axis_names.index(mesh_axis)
+
+
+def _part_bounds(sections: int | Sequence[int] | None, size: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` positions along the mesh axis for each part, in order."""
+    if sections is None:
+        return [(k, k + 1) for k in range(size)]
+    if isinstance(sections, int | np.integer) and not isinstance(sections, bool):
+        count = int(sections)
+        if count <= 0 or size % count:
+            raise ValueError(
+                f"mesh_axis_indices_or_sections={count} does not divide the mesh axis of "
+                f"size {size} into equal parts; pass a divisor of {size}, or a sequence "
+                "of boundaries for unequal parts."
+            )
+        step = size // count
+        return [(k * step, (k + 1) * step) for k in range(count)]
+    if isinstance(sections, str | bytes) or not isinstance(sections, Sequence | np.ndarray):
+        raise ValueError(
+            f"mesh_axis_indices_or_sections={sections!r} must be None, an int or a "
+            "sequence of ints."
+        )
+    try:
+        cuts = [operator.index(b) for b in sections]
+    except TypeError:
+        raise ValueError(
+            f"mesh_axis_indices_or_sections={list(sections)!r} must hold ints."
+        ) from None
+    if any(not 0 < b < size for b in cuts) or any(a >= b for a, b in itertools.pairwise(cuts)):
+        raise ValueError(
+            f"mesh_axis_indices_or_sections={cuts} must be strictly increasing interior "
+            f"boundaries, each in (0, {size}) for a mesh axis of size {size}, so that no "
+            "part is empty."
+        )
+    edges = [0, *cuts, size]
+    return list(itertools.pairwise(edges))
+
+
+def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """Donates ``arrays``: returns arrays on the same buffers; the inputs become deleted.
+
+    All ``arrays`` must live on one device set (one jit call). An array listed twice is
+    donated once. Where JAX declines a donation (for example while a numpy view of the
+    buffer is alive) it copies instead and leaves the input valid; the input is then
+    returned as is, so nothing is held twice.
+    """
+    unique = list({id(a): a for a in arrays}.values())
+    if not unique:
+        return list(arrays)
+    fresh = _donating_identity(unique)
+    swap = {id(a): (a if not a.is_deleted() else b) for a, b in zip(unique, fresh, strict=True)}
+    return [swap[id(a)] for a in arrays]
+
+
+# One jitted identity for everything: the cache keys on the arguments' avals and
+# shardings, and donation makes XLA alias every output to its input buffer.
+_donating_identity: Callable[[list[jax.Array]], list[jax.Array]] = jax.jit(
+    lambda arrays: arrays, donate_argnums=0
+)
+
+
+def _build_then_consume(
+    groups: Sequence[Sequence[Leaf]],
+    build: Callable[[Sequence[Sequence[Leaf]]], _R],
+    donate: bool,
+) -> _R:
+    """Runs ``build`` on ``groups``; with ``donate``, then consumes the inputs.
+
+    ``build`` must only regroup buffers. It runs once on the untouched inputs (so a
+    failure loses nothing) and, when donating, once more on the donated replacements,
+    since the first result shares buffers the donation retires.
+
+    Args:
+      groups: leaves, one list per device set (each list is donated in one call).
+      build: makes the result from ``groups``.
+      donate: whether the inputs are consumed.
+    """
+    result = build(groups)
+    if not donate or not any(isinstance(x, jax.Array) for g in groups for x in g):
+        return result
+    del result  # holds the buffers the donation is about to hand over
+    replaced = []
+    for group in groups:
+        arrays = [x for x in group if isinstance(x, jax.Array)]
+        fresh = iter(_consume(arrays))
+        replaced.append([next(fresh) if isinstance(x, jax.Array) else x for x in group])
+    return build(replaced)
+
+
+def _assemble(
+    template: Leaf,
+    shape: tuple[int, ...],
+    sharding: NamedSharding,
+    by_device: Mapping[jax.Device, jax.Array],
+) -> Leaf:
+    """A leaf like ``template`` of ``shape``/``sharding`` from existing per-device shards."""
+    if isinstance(template, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(shape, template.dtype, sharding=sharding)
+    # In mesh order: key arrays (unlike plain ones) are not re-sorted by JAX and must
+    # arrive in the sharding's device-assignment order, which for a NamedSharding is
+    # the mesh's.
+    local = sharding.addressable_devices
+    shards = [by_device[device] for device in sharding.mesh.devices.flat if device in local]
+    # dtype= lets a process that holds none of the devices still build its handle.
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=template.dtype)
+
+
+def _shards_by_device(leaf: Leaf) -> dict[jax.Device, jax.Array]:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return {}
+    return {shard.device: shard.data for shard in leaf.addressable_shards}
+
+
+# --------------------------------------------------------------------------- split
+
+
+def split_by_mesh_axis(
+    arrays: Any,
+    mesh_axis: str,
+    mesh_axis_indices_or_sections: int | Sequence[int] | None = None,
+    *,
+    donate: bool = False,
+) -> list[Any]:
+    """Splits a pytree of arrays into parts, one per slice of a mesh axis.
+
+    Part ``k`` lives on the sub-mesh ``mesh.devices[..., lo:hi, ...]`` (``lo:hi`` taken
+    along ``mesh_axis``) with the same axis names, spec and memory kind. An array
+    sharded along ``mesh_axis`` keeps only the shards on the part's devices, so the
+    dimension that names the axis shrinks to ``size * (hi - lo) / n``; an array
+    replicated along it keeps its shape. No data crosses devices and nothing is
+    copied: the parts' shards are the input's buffers.
+
+    Args:
+      arrays: a pytree of ``jax.Array``s (or ``jax.ShapeDtypeStruct``s), all with a
+        ``NamedSharding`` on one identical mesh.
+      mesh_axis: the mesh axis to split.
+      mesh_axis_indices_or_sections: ``None`` for one part per position along the
+        axis; an int ``N`` for ``N`` equal parts (``N`` must divide the axis size);
+        or a sequence of strictly increasing interior boundaries in ``(0, size)``:
+        ``[2, 3]`` on an axis of size 4 gives parts ``[0:2]``, ``[2:3]``, ``[3:4]``.
+      donate: consume the inputs: they are marked deleted once the parts are built.
+        Either way no buffer is copied; by default the parts alias the inputs.
+
+    Returns:
+      A list with one pytree per part, each of the structure of ``arrays``.
+
+    Raises:
+      ValueError: a leaf is not an array with a ``NamedSharding``, the leaves' meshes
+        differ, ``mesh_axis`` is not a mesh axis, or the sections are invalid.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> from reshard import split_by_mesh_axis
+      >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("stage", "fsdp"))
+      >>> x = jax.device_put(np.arange(16.0), NamedSharding(mesh, P(("stage", "fsdp"))))
+      >>> first, second = split_by_mesh_axis({"w": x}, "stage")
+      >>> first["w"].shape, dict(first["w"].sharding.mesh.shape)
+      ((8,), {'stage': 1, 'fsdp': 4})
+      >>> np.asarray(second["w"]).tolist()
+      [8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0]
+    """
+    paths, leaves, treedef = _flatten_named(arrays, "arrays")
+    if not leaves:
+        # No mesh to read the axis size from: honour an explicit count, else refuse.
+        if mesh_axis_indices_or_sections is None:
+            raise ValueError(
+                "arrays has no leaves, so the size of mesh_axis cannot be read; pass "
+                "mesh_axis_indices_or_sections explicitly."
+            )
+        if isinstance(mesh_axis_indices_or_sections, int):
+            count = mesh_axis_indices_or_sections
+        else:
+            count = len(mesh_axis_indices_or_sections) + 1
+        return [jax.tree_util.tree_unflatten(treedef, []) for _ in range(count)]
+
+    mesh = _one_mesh(paths, leaves, "all arrays", " Split each group of arrays separately.")
+    axis_index = _axis_index(mesh, mesh_axis)
+    size = mesh.devices.shape[axis_index]
+    bounds = _part_bounds(mesh_axis_indices_or_sections, size)
+    submeshes = [_submesh(mesh, axis_index, lo, hi) for lo, hi in bounds]
+
+    # Per leaf and part: the output shape and sharding (pure, done once).
+    layouts: list[list[tuple[tuple[int, ...], NamedSharding]]] = []
+    for leaf in leaves:
+        sharding = _named(leaf)
+        dim = _sharded_dim(sharding.spec, mesh_axis)
+        per_part = []
+        for (lo, hi), submesh in zip(bounds, submeshes, strict=True):
+            shape = list(leaf.shape)
+            if dim is not None:
+                shape[dim] = shape[dim] // size * (hi - lo)
+            part_sharding = _named_sharding(submesh, sharding.spec, sharding.memory_kind)
+            per_part.append((tuple(shape), part_sharding))
+        layouts.append(per_part)
+
+    def build(groups: Sequence[Sequence[Leaf]]) -> list[list[Leaf]]:
+        flat_parts: list[list[Leaf]] = [[] for _ in bounds]
+        for leaf, per_part in zip(groups[0], layouts, strict=True):
+            by_device = _shards_by_device(leaf)
+            for k, (shape, sharding) in enumerate(per_part):
+                flat_parts[k].append(_assemble(leaf, shape, sharding, by_device))
+        return flat_parts
+
+    flat_parts = _build_then_consume([leaves], build, donate)
+    return [jax.tree_util.tree_unflatten(treedef, part) for part in flat_parts]
+
+
+# --------------------------------------------------------------------------- concatenate
+
+
+def _check_meshes(meshes: Sequence[Mesh], axis_index: int, mesh_axis: Any) -> None:
+    first = meshes[0]
+    for k, mesh in enumerate(meshes[1:], start=1):
+        if mesh.axis_names != first.axis_names:
+            raise ValueError(
+                f"array_trees[{k}] is on a mesh with axes {mesh.axis_names}, but "
+                f"array_trees[0] on one with axes {first.axis_names}; all meshes need the "
+                "same axis names in the same order."
+            )
+        others = [i for i in range(len(first.axis_names)) if i != axis_index]
+        if any(mesh.devices.shape[i] != first.devices.shape[i] for i in others):
+            raise ValueError(
+                f"array_trees[{k}] is on a mesh of sizes {dict(mesh.shape)}, but "
+                f"array_trees[0] on {dict(first.shape)}; the meshes may differ only along "
+                f"{mesh_axis!r}."
+            )
+    uses = collections.Counter(d for mesh in meshes for d in mesh.devices.flat)
+    if any(n > 1 for n in uses.values()):
+        repeated = sorted(d.id for d, n in uses.items() if n > 1)
+        raise ValueError(
+            f"the meshes share devices {repeated}; concatenated meshes must be disjoint."
+        )
+
+
+def _joined_shape(
+    k_paths: Sequence[str], group: Sequence[Leaf], meshes: Sequence[Mesh], mesh_axis: Any
+) -> tuple[int, ...]:
+    """The shape of one concatenated leaf, after checking the parts fit together."""
+    first = group[0]
+    spec, kind = _named(first).spec, _named(first).memory_kind
+    for path, leaf in zip(k_paths[1:], group[1:], strict=True):
+        if _named(leaf).spec != spec or _named(leaf).memory_kind != kind:
+            raise ValueError(
+                f"{path} has spec {_named(leaf).spec} in memory {_named(leaf).memory_kind!r}"
+                f", but {k_paths[0]} has spec {spec} in memory {kind!r}; the parts of one "
+                "array must share spec and memory kind."
+            )
+        if leaf.dtype != first.dtype or len(leaf.shape) != len(first.shape):
+            raise ValueError(
+                f"{path} is {leaf.dtype}{list(leaf.shape)} but {k_paths[0]} is "
+                f"{first.dtype}{list(first.shape)}; the parts of one array must share "
+                "dtype and rank."
+            )
+    dim = _sharded_dim(spec, mesh_axis)
+    for d in range(len(first.shape)):
+        if d == dim:
+            # Every device must hold a shard of one extent, or the result is not a
+            # valid NamedSharding layout.
+            extents = [
+                leaf.shape[d] // shard_count(mesh, spec[d])
+                for leaf, mesh in zip(group, meshes, strict=True)
+            ]
+            if len(set(extents)) != 1:
+                raise ValueError(
+                    f"dimension {d} of {', '.join(k_paths)} is sharded along {mesh_axis!r} "
+                    f"with shard extents {extents}; they must be equal to concatenate."
+                )
+        elif len({leaf.shape[d] for leaf in group}) != 1:
+            raise ValueError(
+                f"dimension {d} of {', '.join(k_paths)} has sizes "
+                f"{[leaf.shape[d] for leaf in group]}; dimensions not sharded along "
+                f"{mesh_axis!r} must be equal."
+            )
+    shape = list(first.shape)
+    if dim is not None:
+        shape[dim] = sum(leaf.shape[dim] for leaf in group)
+    return tuple(shape)
+
+
+def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
+    """Joins pytrees living on adjacent sub-meshes into one pytree on their union.
+
+    The inverse of :func:`split_by_mesh_axis`: the meshes (same axis names, same sizes
+    on every axis but ``mesh_axis``) are concatenated along ``mesh_axis`` in the order
+    given; an array sharded along ``mesh_axis`` has its parts concatenated along the
+    dimension that names the axis; an array replicated along it keeps its shape (its
+    parts are assumed equal, as a replicated array's are; nothing is compared). No data
+    crosses devices and nothing is copied. The inputs are donated: they are marked
+    deleted once the result is built.
+
+    Args:
+      array_trees: pytrees of one structure; each holds ``jax.Array``s (or
+        ``jax.ShapeDtypeStruct``s) with a ``NamedSharding`` on one mesh per pytree.
+      mesh_axis: the mesh axis to concatenate along.
+
+    Returns:
+      One pytree of the shared structure, on the concatenated mesh.
+
+    Raises:
+      ValueError: no trees, different tree structures, a leaf without a
+        ``NamedSharding``, meshes with different axis names or different sizes off
+        ``mesh_axis`` or shared devices, or parts of one array that do not fit.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> from reshard import concatenate_by_mesh_axis, split_by_mesh_axis
+      >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("stage", "tp"))
+      >>> x = jax.device_put(np.arange(8.0), NamedSharding(mesh, P("stage")))
+      >>> parts = split_by_mesh_axis(x, "stage", [1])
+      >>> [p.shape for p in parts]
+      [(2,), (6,)]
+      >>> y = concatenate_by_mesh_axis(parts, "stage")
+      >>> y.sharding == x.sharding, np.asarray(y).tolist()
+      (True, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    """
+    if isinstance(array_trees, str | bytes) or not isinstance(array_trees, Sequence):
+        raise ValueError(
+            f"array_trees must be a sequence of pytrees, got {type(array_trees).__name__}."
+        )
+    if not array_trees:
+        raise ValueError("array_trees is empty; there is nothing to concatenate.")
+    flats = [_flatten_named(tree, f"array_trees[{k}]") for k, tree in enumerate(array_trees)]
+    treedef = flats[0][2]
+    for k, (_, _, other) in enumerate(flats[1:], start=1):
+        if other != treedef:
+            raise ValueError(
+                f"array_trees[{k}] has structure {other}, but array_trees[0] has "
+                f"{treedef}; all trees must have one structure."
+            )
+    if not flats[0][1]:
+        return jax.tree_util.tree_unflatten(treedef, [])
+
+    meshes = [_one_mesh(paths, leaves, "all arrays of one tree") for paths, leaves, _ in flats]
+    axis_index = _axis_index(meshes[0], mesh_axis)
+    _check_meshes(meshes, axis_index, mesh_axis)
+    joined_mesh = Mesh(
+        np.concatenate([m.devices for m in meshes], axis=axis_index),
+        meshes[0].axis_names,
+        axis_types=meshes[0].axis_types,
+    )
+
+    # Per leaf position: the joined shape and sharding.
+    layouts = []
+    for i, first in enumerate(flats[0][1]):
+        k_paths = [paths[i] for paths, _, _ in flats]
+        group = [leaves[i] for _, leaves, _ in flats]
+        shape = _joined_shape(k_paths, group, meshes, mesh_axis)
+        sharding = _named_sharding(joined_mesh, _named(first).spec, _named(first).memory_kind)
+        layouts.append((shape, sharding))
+
+    def build(groups: Sequence[Sequence[Leaf]]) -> list[Leaf]:
+        out = []
+        for i, (shape, sharding) in enumerate(layouts):
+            by_device: dict[jax.Device, jax.Array] = {}
+            for group in groups:
+                by_device.update(_shards_by_device(group[i]))
+            out.append(_assemble(groups[0][i], shape, sharding, by_device))
+        return out
+
+    joined = _build_then_consume([leaves for _, leaves, _ in flats], build, donate=True)
+    return jax.tree_util.tree_unflatten(treedef, joined)

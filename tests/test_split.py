@@ -1,0 +1,593 @@
+"""split_by_mesh_axis / concatenate_by_mesh_axis: rules, errors, zero-copy, round trips.
+
+Ground truth is numpy: a part of an array sharded along the split axis is the original
+with that axis's block range kept (see ``expected_part``). Every result is checked for
+its sharding, each shard's device and index, and each shard's bytes.
+"""
+
+from __future__ import annotations
+
+import doctest
+import math
+import re
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import reshard
+from reshard import _split, concatenate_by_mesh_axis, split_by_mesh_axis
+
+DEVICES = jax.devices()
+
+
+def make_mesh(shape, names, device_ids=None):
+    ids = range(math.prod(shape)) if device_ids is None else device_ids
+    return Mesh(np.array([DEVICES[i] for i in ids]).reshape(shape), names)
+
+
+# A copy under jit gives buffers XLA owns, as arrays out of a training step are; a
+# fresh device_put may alias the numpy input, and donating such a buffer copies it.
+_owned_copy = jax.jit(lambda a: a.copy())
+
+
+def put(value, mesh, spec, memory_kind=None):
+    return _owned_copy(jax.device_put(value, NamedSharding(mesh, spec, memory_kind=memory_kind)))
+
+
+def entry_axes(entry):
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def expected_part(value, spec, mesh, axis, lo, hi):
+    """numpy: the part [lo:hi) along mesh ``axis`` of ``value`` laid out as ``spec``."""
+    for dim, entry in enumerate(spec):
+        axes = entry_axes(entry)
+        if axis in axes:
+            sizes = [mesh.shape[a] for a in axes]
+            m = axes.index(axis)
+            block = value.shape[dim] // math.prod(sizes)
+            v = value.reshape(value.shape[:dim] + tuple(sizes) + (block,) + value.shape[dim + 1 :])
+            v = np.take(v, np.arange(lo, hi), axis=dim + m)
+            return v.reshape(value.shape[:dim] + (-1,) + value.shape[dim + 1 :])
+    return value
+
+
+def host(a):
+    """numpy copy of an array (key arrays as their key data)."""
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    return np.asarray(a)
+
+
+def assert_bits(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+
+
+def assert_array(a, want, sharding):
+    """``a`` equals numpy ``want`` bit for bit, is laid out as ``sharding``, shard by shard."""
+    assert a.sharding == sharding
+    assert a.sharding.memory_kind == sharding.memory_kind
+    assert a.shape == want.shape[: a.ndim]
+    index_map = sharding.devices_indices_map(a.shape)
+    assert {s.device for s in a.addressable_shards} == set(index_map)
+    for shard in a.addressable_shards:
+        # Key arrays report an extra trailing slice for the key data; compare the rest.
+        assert shard.index[: a.ndim] == index_map[shard.device]
+        assert shard.data.devices() == {shard.device}
+        assert_bits(host(shard.data), want[shard.index])
+    assert_bits(host(a), want)
+
+
+def pointers(a):
+    return {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+
+
+# --------------------------------------------------------------------------- split rules
+
+
+def test_none_gives_one_part_per_position():
+    mesh = make_mesh((2, 4), ("stage", "fsdp"))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    x = put(value, mesh, P("stage", "fsdp"))
+    parts = split_by_mesh_axis(x, "stage")
+    assert len(parts) == 2
+    for k, part in enumerate(parts):
+        sub = Mesh(mesh.devices[k : k + 1], mesh.axis_names)
+        assert_array(part, value[4 * k : 4 * k + 4], NamedSharding(sub, P("stage", "fsdp")))
+
+
+def test_int_gives_equal_parts():
+    mesh = make_mesh((8,), ("x",))
+    value = np.arange(16, dtype=np.int32)
+    x = put(value, mesh, P("x"))
+    parts = split_by_mesh_axis([x], "x", 4)
+    assert len(parts) == 4
+    for k, (part,) in enumerate(parts):
+        sub = Mesh(mesh.devices[2 * k : 2 * k + 2], ("x",))
+        assert_array(part, value[4 * k : 4 * k + 4], NamedSharding(sub, P("x")))
+
+
+def test_sequence_gives_unequal_parts():
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    x = put(value, mesh, P("stage", "tp"))
+    parts = split_by_mesh_axis({"w": x}, "stage", [1, 3])
+    bounds = [(0, 1), (1, 3), (3, 4)]
+    assert [p["w"].shape for p in parts] == [(2, 6), (4, 6), (2, 6)]
+    for (lo, hi), part in zip(bounds, parts, strict=True):
+        sub = Mesh(mesh.devices[lo:hi], mesh.axis_names)
+        assert_array(part["w"], value[2 * lo : 2 * hi], NamedSharding(sub, P("stage", "tp")))
+
+
+def test_replicated_array_keeps_its_shape():
+    mesh = make_mesh((2, 4), ("stage", "fsdp"))
+    value = np.arange(8, dtype=np.float32)
+    x = put(value, mesh, P("fsdp"))
+    for k, part in enumerate(split_by_mesh_axis(x, "stage")):
+        sub = Mesh(mesh.devices[k : k + 1], mesh.axis_names)
+        assert_array(part, value, NamedSharding(sub, P("fsdp")))
+
+
+def test_split_along_inner_axis_of_a_tuple_entry():
+    # ("a", "b") numbers blocks a-major, so b = 0 holds blocks 0 and 2: not contiguous.
+    mesh = make_mesh((2, 2), ("a", "b"))
+    value = np.arange(8, dtype=np.float32)
+    x = put(value, mesh, P(("a", "b")))
+    first, second = split_by_mesh_axis(x, "b")
+    assert_array(
+        first,
+        np.array([0, 1, 4, 5], np.float32),
+        NamedSharding(Mesh(mesh.devices[:, :1], ("a", "b")), P(("a", "b"))),
+    )
+    assert_array(
+        second,
+        np.array([2, 3, 6, 7], np.float32),
+        NamedSharding(Mesh(mesh.devices[:, 1:], ("a", "b")), P(("a", "b"))),
+    )
+
+
+def test_split_middle_axis_of_3d_mesh_on_permuted_devices():
+    mesh = make_mesh((2, 2, 2), ("a", "b", "c"), device_ids=[5, 3, 0, 6, 1, 7, 2, 4])
+    value = np.arange(4 * 8 * 2, dtype=np.int16).reshape(4, 8, 2)
+    spec = P("b", ("a", "c"), None)
+    x = put(value, mesh, spec)
+    parts = split_by_mesh_axis(x, "b", [1])
+    for k, part in enumerate(parts):
+        sub = Mesh(mesh.devices[:, k : k + 1], mesh.axis_names)
+        assert_array(part, value[2 * k : 2 * k + 2], NamedSharding(sub, spec))
+
+
+def test_split_copies_nothing():
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    x = put(np.arange(64, dtype=np.float32).reshape(8, 8), mesh, P("stage", "tp"))
+    before = pointers(x)
+    parts = split_by_mesh_axis(x, "stage")
+    for part in parts:
+        for device, ptr in pointers(part).items():
+            assert ptr == before[device]
+    assert not x.is_deleted()  # donate=False: the parts alias the still-valid input
+    np.testing.assert_array_equal(np.asarray(x), np.arange(64).reshape(8, 8))
+
+
+def test_donate_consumes_inputs_and_still_copies_nothing():
+    mesh = make_mesh((2, 4), ("stage", "fsdp"))
+    value = np.arange(32, dtype=np.float32).reshape(8, 4)
+    x = put(value, mesh, P(("stage", "fsdp")))
+    r = put(np.ones(3, np.int8), mesh, P())
+    before = {**pointers(x)}
+    parts = split_by_mesh_axis({"x": x, "r": r, "again": x}, "stage", donate=True)
+    assert x.is_deleted() and r.is_deleted()
+    for k, part in enumerate(parts):
+        sub = NamedSharding(Mesh(mesh.devices[k : k + 1], mesh.axis_names), P(("stage", "fsdp")))
+        assert_array(part["x"], value[4 * k : 4 * k + 4], sub)
+        assert_array(part["again"], value[4 * k : 4 * k + 4], sub)
+        assert_bits(host(part["r"]), np.ones(3, np.int8))
+        for device, ptr in pointers(part["x"]).items():
+            assert ptr == before[device]
+
+
+def test_donate_failure_loses_nothing(monkeypatch):
+    mesh = make_mesh((2, 4), ("stage", "fsdp"))
+    x = put(np.arange(8, dtype=np.float32), mesh, P("fsdp"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure while building a part")
+
+    monkeypatch.setattr(jax, "make_array_from_single_device_arrays", broken)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        split_by_mesh_axis(x, "stage", donate=True)
+    monkeypatch.undo()
+    assert not x.is_deleted()
+    np.testing.assert_array_equal(np.asarray(x), np.arange(8))
+
+
+def test_memory_kind_is_kept():
+    mesh = make_mesh((2, 2), ("a", "b"))
+    value = np.arange(16, dtype=np.float32).reshape(4, 4)
+    x = put(value, mesh, P("a", "b"), memory_kind="pinned_host")
+    parts = split_by_mesh_axis(x, "a", donate=True)
+    for k, part in enumerate(parts):
+        sub = NamedSharding(
+            Mesh(mesh.devices[k : k + 1], ("a", "b")), P("a", "b"), memory_kind="pinned_host"
+        )
+        assert_array(part, value[2 * k : 2 * k + 2], sub)
+    joined = concatenate_by_mesh_axis(parts, "a")
+    assert_array(joined, value, x.sharding)
+
+
+def test_prng_key_arrays():
+    mesh = make_mesh((4, 2), ("a", "b"))
+    keys = put(jax.random.split(jax.random.key(7), 8), mesh, P("a"))
+    data = host(keys)
+    parts = split_by_mesh_axis(keys, "a", 2)
+    for k, part in enumerate(parts):
+        assert jax.dtypes.issubdtype(part.dtype, jax.dtypes.prng_key)
+        assert_array(
+            part,
+            data[4 * k : 4 * k + 4],
+            NamedSharding(Mesh(mesh.devices[2 * k : 2 * k + 2], ("a", "b")), P("a")),
+        )
+    joined = concatenate_by_mesh_axis(parts, "a")
+    assert_array(joined, data, keys.sharding)
+
+
+def test_shape_dtype_structs_get_part_layouts():
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    spec = P("stage", "tp")
+    s = jax.ShapeDtypeStruct((8, 4), ml_dtypes.bfloat16, sharding=NamedSharding(mesh, spec))
+    parts = split_by_mesh_axis({"s": s}, "stage", [3])
+    assert [p["s"].shape for p in parts] == [(6, 4), (2, 4)]
+    assert parts[1]["s"].sharding == NamedSharding(Mesh(mesh.devices[3:], mesh.axis_names), spec)
+    assert parts[0]["s"].dtype == ml_dtypes.bfloat16
+    joined = concatenate_by_mesh_axis(parts, "stage")
+    assert joined["s"].shape == (8, 4) and joined["s"].sharding == s.sharding
+
+
+def test_tree_without_leaves():
+    assert split_by_mesh_axis({}, "x", 3) == [{}, {}, {}]
+    assert split_by_mesh_axis([], "x", [1, 2]) == [[], [], []]
+    assert concatenate_by_mesh_axis([{}, {}], "x") == {}
+
+
+# --------------------------------------------------------------------------- split errors
+
+
+@pytest.fixture
+def mesh24():
+    return make_mesh((2, 4), ("stage", "fsdp"))
+
+
+def test_error_leaf_not_an_array(mesh24):
+    with pytest.raises(ValueError, match=r"arrays\['b'\] is a ndarray, expected a jax.Array"):
+        split_by_mesh_axis({"a": put(np.ones(4), mesh24, P()), "b": np.ones(4)}, "stage")
+
+
+def test_error_not_a_named_sharding():
+    x = jax.device_put(np.ones(4), SingleDeviceSharding(DEVICES[0]))
+    with pytest.raises(
+        ValueError, match=r"arrays\[0\] has sharding SingleDeviceSharding.*only NamedSharding"
+    ):
+        split_by_mesh_axis([x], "stage")
+
+
+def test_error_different_meshes(mesh24):
+    other = make_mesh((2, 4), ("stage", "tp"))
+    with pytest.raises(
+        ValueError, match=r"one mesh; arrays\[0\] is on .*'fsdp'.* but arrays\[1\] is on .*'tp'"
+    ):
+        split_by_mesh_axis([put(np.ones(4), mesh24, P()), put(np.ones(4), other, P())], "stage")
+
+
+def test_error_axis_not_in_mesh(mesh24):
+    with pytest.raises(
+        ValueError,
+        match=r"mesh_axis='tp' is not an axis of the mesh; its axes are \{'stage': 2, 'fsdp': 4\}",
+    ):
+        split_by_mesh_axis(put(np.ones(4), mesh24, P()), "tp")
+
+
+@pytest.mark.parametrize("count", [3, 0, -2, 8])
+def test_error_indivisible_count(mesh24, count):
+    x = put(np.ones(8), mesh24, P("fsdp"))
+    with pytest.raises(
+        ValueError, match=rf"sections={count} does not divide the mesh axis of size 4"
+    ):
+        split_by_mesh_axis(x, "fsdp", count)
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [[2, 2], [3, 1], [0, 2], [4], [1, 5], [-1]],
+    ids=["repeated", "decreasing", "zero", "at-end", "past-end", "negative"],
+)
+def test_error_bad_boundaries(mesh24, sections):
+    x = put(np.ones(8), mesh24, P("fsdp"))
+    want = f"sections={sections} must be strictly increasing interior boundaries, each in (0, 4)"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        split_by_mesh_axis(x, "fsdp", sections)
+
+
+@pytest.mark.parametrize("sections", ["12", 1.5, [1.5], True])
+def test_error_sections_of_wrong_type(mesh24, sections):
+    x = put(np.ones(8), mesh24, P("fsdp"))
+    with pytest.raises(
+        ValueError, match=r"mesh_axis_indices_or_sections=.*(must be None, an int|must hold ints)"
+    ):
+        split_by_mesh_axis(x, "fsdp", sections)
+
+
+def test_error_abstract_mesh(mesh24):
+    s = jax.ShapeDtypeStruct(
+        (8,), np.float32, sharding=NamedSharding(mesh24.abstract_mesh, P("fsdp"))
+    )
+    with pytest.raises(
+        ValueError, match=r"arrays is on the abstract mesh .*need a Mesh of devices"
+    ):
+        split_by_mesh_axis(s, "fsdp")
+
+
+def test_error_deleted_input(mesh24):
+    x = put(np.ones(8), mesh24, P("fsdp"))
+    x.delete()
+    with pytest.raises(ValueError, match=r"arrays has been deleted"):
+        split_by_mesh_axis(x, "fsdp")
+
+
+def test_error_empty_tree_without_count():
+    with pytest.raises(ValueError, match="no leaves.*pass mesh_axis_indices_or_sections"):
+        split_by_mesh_axis({}, "x")
+
+
+# --------------------------------------------------------------------------- concatenate
+
+
+def test_concatenate_joins_independent_arrays():
+    left = make_mesh((1, 2), ("stage", "tp"), [6, 7])
+    right = make_mesh((3, 2), ("stage", "tp"), [0, 1, 2, 3, 4, 5])
+    a = np.arange(2 * 4, dtype=np.float32).reshape(2, 4)
+    b = 100 + np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    rep = np.arange(3, dtype=np.int8)
+    joined = concatenate_by_mesh_axis(
+        [
+            {"w": put(a, left, P("stage", "tp")), "r": put(rep, left, P())},
+            {"w": put(b, right, P("stage", "tp")), "r": put(rep, right, P())},
+        ],
+        "stage",
+    )
+    mesh = make_mesh((4, 2), ("stage", "tp"), [6, 7, 0, 1, 2, 3, 4, 5])
+    assert_array(joined["w"], np.concatenate([a, b]), NamedSharding(mesh, P("stage", "tp")))
+    assert_array(joined["r"], rep, NamedSharding(mesh, P()))
+
+
+def test_concatenate_copies_nothing_and_donates():
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    x = put(np.arange(32, dtype=np.float32).reshape(8, 4), mesh, P("stage", "tp"))
+    before = pointers(x)
+    parts = split_by_mesh_axis(x, "stage", 2)
+    joined = concatenate_by_mesh_axis(parts, "stage")
+    assert all(p.is_deleted() for p in parts)
+    assert pointers(joined) == before
+    assert_array(joined, np.arange(32, dtype=np.float32).reshape(8, 4), x.sharding)
+
+
+def _two_parts(spec_left=None, spec_right=None, n_left=4, n_right=4):
+    spec_left = P("stage") if spec_left is None else spec_left
+    spec_right = P("stage") if spec_right is None else spec_right
+    left = make_mesh((2, 2), ("stage", "tp"), [0, 1, 2, 3])
+    right = make_mesh((2, 2), ("stage", "tp"), [4, 5, 6, 7])
+    return [
+        put(np.ones(n_left, np.float32), left, spec_left),
+        put(np.ones(n_right, np.float32), right, spec_right),
+    ]
+
+
+def test_concatenate_error_empty():
+    with pytest.raises(ValueError, match="array_trees is empty"):
+        concatenate_by_mesh_axis([], "stage")
+
+
+def test_concatenate_error_not_a_sequence():
+    with pytest.raises(ValueError, match="array_trees must be a sequence of pytrees, got dict"):
+        concatenate_by_mesh_axis({"a": 1}, "stage")
+
+
+def test_concatenate_error_different_structures():
+    a, b = _two_parts()
+    with pytest.raises(
+        ValueError, match=r"array_trees\[1\] has structure .* but array_trees\[0\] has"
+    ):
+        concatenate_by_mesh_axis([{"w": a}, {"v": b}], "stage")
+
+
+def test_concatenate_error_different_axis_names():
+    a = put(np.ones(4), make_mesh((2, 2), ("stage", "tp"), [0, 1, 2, 3]), P())
+    b = put(np.ones(4), make_mesh((2, 2), ("stage", "dp"), [4, 5, 6, 7]), P())
+    with pytest.raises(
+        ValueError,
+        match=r"array_trees\[1\] is on a mesh with axes \('stage', 'dp'\), but array_trees\[0\] on one with axes \('stage', 'tp'\)",
+    ):
+        concatenate_by_mesh_axis([a, b], "stage")
+
+
+def test_concatenate_error_different_sizes_off_the_axis():
+    a = put(np.ones(4), make_mesh((2, 2), ("stage", "tp"), [0, 1, 2, 3]), P())
+    b = put(np.ones(4), make_mesh((1, 4), ("stage", "tp"), [4, 5, 6, 7]), P())
+    with pytest.raises(
+        ValueError,
+        match=r"mesh of sizes \{'stage': 1, 'tp': 4\}, but array_trees\[0\] on \{'stage': 2, 'tp': 2\}; the meshes may differ only along 'stage'",
+    ):
+        concatenate_by_mesh_axis([a, b], "stage")
+
+
+def test_concatenate_error_axis_not_in_mesh():
+    with pytest.raises(ValueError, match=r"mesh_axis='pp' is not an axis of the mesh"):
+        concatenate_by_mesh_axis(_two_parts(), "pp")
+
+
+def test_concatenate_error_shared_devices():
+    mesh = make_mesh((2, 2), ("stage", "tp"))
+    x = put(np.ones(4), mesh, P("stage"))
+    with pytest.raises(ValueError, match=r"the meshes share devices \[0, 1, 2, 3\]"):
+        concatenate_by_mesh_axis([x, x], "stage")
+    assert not x.is_deleted()
+
+
+def test_concatenate_error_not_named_sharding():
+    x = jax.device_put(np.ones(4), SingleDeviceSharding(DEVICES[0]))
+    with pytest.raises(ValueError, match=r"array_trees\[0\] has sharding SingleDeviceSharding"):
+        concatenate_by_mesh_axis([x, x], "stage")
+
+
+def test_concatenate_error_tree_on_two_meshes():
+    a, b = _two_parts()
+    with pytest.raises(
+        ValueError, match=r"all arrays of one tree must be on one mesh; array_trees\[0\]\[0\]"
+    ):
+        concatenate_by_mesh_axis([[a, b], [a, b]], "stage")
+
+
+def test_concatenate_error_different_specs():
+    a, b = _two_parts(spec_right=P("tp"))
+    with pytest.raises(
+        ValueError,
+        match=r"array_trees\[1\] has spec .*'tp'.* but array_trees\[0\] has spec .*'stage'",
+    ):
+        concatenate_by_mesh_axis([a, b], "stage")
+
+
+def test_concatenate_error_different_dtypes():
+    a, b = _two_parts()
+    b = b.astype(np.int32)
+    with pytest.raises(
+        ValueError, match=r"array_trees\[1\] is int32\[4\] but array_trees\[0\] is float32\[4\]"
+    ):
+        concatenate_by_mesh_axis([a, b], "stage")
+
+
+def test_concatenate_error_unequal_shard_extents():
+    a, b = _two_parts(n_right=8)
+    with pytest.raises(
+        ValueError,
+        match=r"dimension 0 of array_trees\[0\], array_trees\[1\] is sharded along 'stage' with shard extents \[2, 4\]",
+    ):
+        concatenate_by_mesh_axis([a, b], "stage")
+
+
+def test_concatenate_error_unequal_replicated_dims():
+    a, b = _two_parts(spec_left=P(), spec_right=P(), n_right=6)
+    with pytest.raises(
+        ValueError,
+        match=r"dimension 0 of .* has sizes \[4, 6\]; dimensions not sharded along 'stage' must be equal",
+    ):
+        concatenate_by_mesh_axis([a, b], "stage")
+
+
+def test_docstring_examples_run():
+    assert doctest.testmod(_split, raise_on_error=True).attempted > 0
+
+
+def test_public_exports():
+    assert reshard.split_by_mesh_axis is split_by_mesh_axis
+    assert reshard.concatenate_by_mesh_axis is concatenate_by_mesh_axis
+
+
+# --------------------------------------------------------------------------- round trips
+
+DTYPES = [np.float32, ml_dtypes.bfloat16, np.int8, np.bool_, np.float16, np.int32, np.uint16]
+
+
+@st.composite
+def layouts(draw):
+    """A mesh on a subset of the 8 devices, a spec, a shape and a split request."""
+    sizes = draw(
+        st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3).filter(
+            lambda s: math.prod(s) <= len(DEVICES)
+        )
+    )
+    names = ("a", "b", "c")[: len(sizes)]
+    ids = draw(st.permutations(range(len(DEVICES))))[: math.prod(sizes)]
+    mesh = make_mesh(tuple(sizes), names, ids)
+    rank = draw(st.integers(0, 3))
+    where = [draw(st.integers(-1, rank - 1)) for _ in names]  # -1: the axis is unused
+    entries = []
+    for dim in range(rank):
+        axes = draw(st.permutations([n for n, w in zip(names, where, strict=True) if w == dim]))
+        if not axes:
+            entries.append(None)
+        elif len(axes) == 1 and draw(st.booleans()):
+            entries.append(axes[0])
+        else:
+            entries.append(tuple(axes))
+    shape = tuple(
+        math.prod(mesh.shape[a] for a in entry_axes(e)) * draw(st.integers(1, 3)) for e in entries
+    )
+    axis = draw(st.sampled_from(names))
+    size = mesh.shape[axis]
+    sections = draw(
+        st.one_of(
+            st.none(),
+            st.sampled_from([d for d in range(1, size + 1) if size % d == 0]),
+            st.lists(st.integers(1, size - 1), unique=True).map(sorted)
+            if size > 1
+            else st.just([]),
+        )
+    )
+    return mesh, P(*entries), shape, axis, sections
+
+
+def random_value(rng, shape, dtype):
+    if dtype == np.bool_:
+        return rng.integers(0, 2, shape).astype(np.bool_)
+    itemsize = np.dtype(dtype).itemsize
+    raw = rng.integers(0, 256, math.prod(shape) * itemsize, dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)  # random bits: NaNs, infs, subnormals too
+
+
+@settings(max_examples=25)
+@given(
+    layout=layouts(),
+    dtype=st.sampled_from(DTYPES),
+    memory_kind=st.sampled_from([None, "pinned_host"]),
+    donate=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_round_trip_split_then_concatenate(layout, dtype, memory_kind, donate, seed):
+    mesh, spec, shape, axis, sections = layout
+    value = random_value(np.random.default_rng(seed), shape, dtype)
+    x = put(value, mesh, spec, memory_kind)
+    kind = x.sharding.memory_kind
+    before = pointers(x)
+    parts = split_by_mesh_axis({"x": x}, axis, sections, donate=donate)
+    assert x.is_deleted() == donate
+
+    axis_index = mesh.axis_names.index(axis)
+    size = mesh.shape[axis]
+    if sections is None:
+        edges = list(range(size + 1))
+    elif isinstance(sections, int):
+        edges = list(range(0, size + 1, size // sections))
+    else:
+        edges = [0, *sections, size]
+    assert len(parts) == len(edges) - 1
+    for lo, hi, part in zip(edges[:-1], edges[1:], parts, strict=True):
+        index = [slice(None)] * len(mesh.axis_names)
+        index[axis_index] = slice(lo, hi)
+        sub = Mesh(mesh.devices[tuple(index)], mesh.axis_names)
+        want = expected_part(value, spec, mesh, axis, lo, hi)
+        assert_array(part["x"], want, NamedSharding(sub, spec, memory_kind=kind))
+        for device, ptr in pointers(part["x"]).items():
+            assert ptr == before[device]  # nothing copied
+
+    joined = concatenate_by_mesh_axis(parts, axis)["x"]
+    assert all(p["x"].is_deleted() for p in parts)
+    assert_array(joined, value, x.sharding)
+    assert pointers(joined) == before
