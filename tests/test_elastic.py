@@ -1,0 +1,573 @@
+"""Elastic device sets: mesh surgery, recovery from surviving shards, the elastic loop.
+
+Ground truths are computed here, independently of the library:
+* mesh surgery: a slice is kept iff none of its ids is lost (plain loops over numpy);
+* recovery: per leaf, a boolean mask of the elements some surviving device holds,
+  from JAX's own ``devices_indices_map``. Shards on lost devices are filled with
+  *garbage* (inverted bits), so a result equal to the true array proves that lost
+  devices were never read.
+"""
+
+from __future__ import annotations
+
+import doctest
+import logging
+import math
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import reshard
+from reshard import _elastic, _mesh_surgery
+from reshard._mesh_surgery import grow_grid, shrink_grid
+
+DEVICES = jax.devices()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mesh_of(shape, names, ids=None):
+    ids = range(math.prod(shape)) if ids is None else ids
+    return Mesh(np.array([DEVICES[i] for i in ids]).reshape(shape), names)
+
+
+@dataclass(frozen=True)
+class FakeDevice:
+    """A device-like object: all the surgery needs is an ``.id``."""
+
+    id: int
+
+
+# ----------------------------------------------------------------------------------
+# Mesh surgery on synthetic grids
+# ----------------------------------------------------------------------------------
+
+
+def expected_clean(ids: np.ndarray, k: int, lost: set[int]) -> list[int]:
+    """Positions along axis k whose slice holds no lost id (a plain loop)."""
+    out = []
+    for i in range(ids.shape[k]):
+        if not any(int(v) in lost for v in np.take(ids, i, axis=k).ravel()):
+            out.append(i)
+    return out
+
+
+@st.composite
+def grids(draw, max_dims=3, max_side=6):
+    shape = tuple(draw(st.lists(st.integers(1, max_side), min_size=1, max_size=max_dims)))
+    n = math.prod(shape)
+    offset = draw(st.integers(0, 1000))
+    perm = draw(st.permutations(range(n)))
+    ids = (np.array(perm, dtype=np.int64) + offset).reshape(shape)
+    names = tuple(f"ax{i}" for i in range(len(shape)))
+    k = draw(st.integers(0, len(shape) - 1))
+    lost = draw(st.sets(st.sampled_from(ids.ravel().tolist()), max_size=n))
+    # Ids that are not in the grid must be ignored.
+    lost |= draw(st.sets(st.integers(offset + n, offset + n + 50), max_size=3))
+    return ids, names, k, lost
+
+
+@given(grids(), st.one_of(st.none(), st.sets(st.integers(1, 8), min_size=1, max_size=4)))
+def test_shrink_grid_keeps_exactly_the_clean_slices(case, allowed):
+    ids, names, k, lost = case
+    clean = expected_clean(ids, k, lost)
+    n = len(clean)
+    if allowed is not None:
+        n = max((s for s in allowed if s <= n), default=0)
+    if n == 0:
+        with pytest.raises(ValueError, match=r"shrink_mesh: .*(every one of|allowed_sizes)"):
+            shrink_grid(ids, names, lost, names[k], allowed_sizes=allowed)
+        return
+    out = shrink_grid(ids, names, lost, names[k], allowed_sizes=allowed)
+    np.testing.assert_array_equal(out, np.take(ids, clean[:n], axis=k))
+    assert out.shape[:k] + out.shape[k + 1 :] == ids.shape[:k] + ids.shape[k + 1 :]
+    assert not set(out.ravel().tolist()) & lost
+    # The input grid is not modified.
+    assert ids.shape[k] >= out.shape[k]
+
+
+@given(grids())
+def test_grow_grid_inverts_shrink_grid(case):
+    ids, names, k, lost = case
+    clean = expected_clean(ids, k, lost)
+    if not clean:
+        return
+    small = shrink_grid(ids, names, lost, names[k])
+    dropped = [i for i in range(ids.shape[k]) if i not in clean]
+    if not dropped:
+        assert small.shape == ids.shape
+        return
+    # The dropped slices, each in row-major order of the other axes.
+    back = np.concatenate([np.take(ids, i, axis=k).ravel() for i in dropped]).tolist()
+    big = grow_grid(small, names, back, names[k])
+    expected = np.concatenate([np.take(ids, clean, axis=k), np.take(ids, dropped, axis=k)], axis=k)
+    np.testing.assert_array_equal(big, expected)
+    # And the other way round: shrinking away what was added gives the small grid back.
+    np.testing.assert_array_equal(shrink_grid(big, names, back, names[k]), small)
+
+
+def test_surgery_on_thousands_of_synthetic_devices_is_fast():
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(16384).reshape(64, 16, 16)
+    names = ("data", "fsdp", "tp")
+    lost = set(rng.choice(16384, size=40, replace=False).tolist())
+    t0 = time.perf_counter()
+    small = shrink_grid(ids, names, lost, "data")
+    back = grow_grid(small, names, list(range(20000, 20000 + 256 * 3)), "data")  # three new slices
+    seconds = time.perf_counter() - t0
+    clean = expected_clean(ids, 0, lost)
+    np.testing.assert_array_equal(small, ids[clean])
+    assert back.shape == (len(clean) + 3, 16, 16)
+    assert back[-1].ravel().tolist() == list(range(20000 + 512, 20000 + 768))
+    assert seconds < 2.0, seconds
+
+
+def test_surgery_on_device_like_objects():
+    objs = np.empty(12, dtype=object)
+    for i in range(12):
+        objs[i] = FakeDevice(100 + i)
+    grid = objs.reshape(3, 4)
+    small = shrink_grid(grid, ("data", "tp"), [FakeDevice(105), 110], "data")
+    assert [d.id for d in small.ravel()] == [100, 101, 102, 103]
+    grown = grow_grid(small, ("data", "tp"), [FakeDevice(200 + i) for i in range(4)], "data")
+    assert grown.dtype == object and grown.shape == (2, 4)
+    assert [d.id for d in grown[1]] == [200, 201, 202, 203]
+    # Shrinking along the inner axis keeps whole columns.
+    cols = shrink_grid(grid, ("data", "tp"), [FakeDevice(105)], "tp")
+    assert [[d.id for d in row] for row in cols] == [
+        [100, 102, 103],
+        [104, 106, 107],
+        [108, 110, 111],
+    ]
+
+
+def test_grid_errors_name_the_argument_and_the_fix():
+    ids = np.arange(8).reshape(2, 4)
+    names = ("data", "fsdp")
+    with pytest.raises(
+        ValueError, match=r"axis 'dp' is not an axis of the mesh \(axis names \('data', 'fsdp'\)\)"
+    ):
+        shrink_grid(ids, names, [1], "dp")
+    with pytest.raises(
+        ValueError,
+        match=r"every one of the 2 slice\(s\) along axis 'data' holds a lost device.*"
+        r"device ids \[\[0, 1, 2, 3\], \[4, 5, 6, 7\]\], lost devices \[1, 6\].*another axis",
+    ):
+        shrink_grid(ids, names, [1, 6, 99], "data")
+    with pytest.raises(ValueError, match=r"allowed_sizes=\[2\] has no positive size <= 1"):
+        shrink_grid(ids, names, [5], "data", allowed_sizes=[2])
+    small = ids[:1]
+    with pytest.raises(
+        ValueError, match=r"got 2 device\(s\), but a slice along axis 'data' needs 4.*add 2 more"
+    ):
+        grow_grid(small, names, [4, 5], "data")
+    with pytest.raises(ValueError, match=r"devices \[3\] are already in the mesh"):
+        grow_grid(small, names, [3, 4, 5, 6], "data")
+    with pytest.raises(ValueError, match=r"devices \[4\] are given more than once"):
+        grow_grid(small, names, [4, 4, 5, 6], "data")
+    with pytest.raises(ValueError, match=r"no devices given"):
+        grow_grid(small, names, [], "data")
+    with pytest.raises(ValueError, match=r"integer device id, got str: 'x'"):
+        shrink_grid(ids, names, ["x"], "data")
+
+
+def test_large_grids_are_cut_in_error_messages():
+    ids = np.arange(4096).reshape(2, 2048)
+    with pytest.raises(ValueError, match=r"\.\.\. \(4096 devices\)") as e:
+        shrink_grid(ids, ("data", "fsdp"), [0, 4095], "data")
+    assert len(str(e.value)) < 1000
+
+
+# ----------------------------------------------------------------------------------
+# Meshes and shardings
+# ----------------------------------------------------------------------------------
+
+
+def test_shrink_mesh_and_grow_mesh_on_jax_meshes():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    small = reshard.shrink_mesh(full, [DEVICES[4], DEVICES[5]], "data")
+    assert dict(small.shape) == {"data": 1, "fsdp": 4}
+    assert small.device_ids.tolist() == [[0, 1, 2, 3]]
+    assert small.axis_types == full.axis_types
+    # Lost devices outside the mesh change nothing.
+    assert reshard.shrink_mesh(small, [6, 7], "data") is small
+    assert reshard.grow_mesh(small, full, "data") is full
+    regrown = reshard.grow_mesh(small, DEVICES[4:8], "data")
+    assert regrown == full
+    # Shrinking the inner axis.
+    assert reshard.shrink_mesh(full, [2], "fsdp").device_ids.tolist() == [[0, 1, 3], [4, 5, 7]]
+
+
+def test_grow_mesh_checks_the_target():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    small = reshard.shrink_mesh(full, [4], "data")
+    with pytest.raises(ValueError, match=r"target mesh has axis names \('a', 'b'\)"):
+        reshard.grow_mesh(small, mesh_of((2, 4), ("a", "b")), "data")
+    with pytest.raises(
+        ValueError, match=r"must match the current mesh .* on every axis but 'data'"
+    ):
+        reshard.grow_mesh(small, mesh_of((4, 2), ("data", "fsdp")), "data")
+    with pytest.raises(ValueError, match=r"lacks devices \[0, 1, 2, 3\] of the current mesh"):
+        reshard.grow_mesh(small, mesh_of((1, 4), ("data", "fsdp"), [4, 5, 6, 7]), "data")
+
+
+def test_carry_shardings_keeps_specs_and_memory_kinds():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    small = reshard.shrink_mesh(full, [7], "data")
+    arr = jax.device_put(np.zeros((8, 4)), NamedSharding(full, P(("data", "fsdp"))))
+    tree = {
+        "w": NamedSharding(full, P(None, "fsdp"), memory_kind="pinned_host"),
+        "a": arr,
+        "s": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(full, P("fsdp"))),
+        "one": SingleDeviceSharding(DEVICES[2]),
+    }
+    out = reshard.carry_shardings(tree, small)
+    assert out["w"] == NamedSharding(small, P(None, "fsdp"), memory_kind="pinned_host")
+    assert out["a"] == NamedSharding(small, P(("data", "fsdp")))
+    assert out["s"] == NamedSharding(small, P("fsdp"))
+    assert out["one"] is tree["one"]
+
+
+def test_carry_shardings_errors_name_the_leaf():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    small = reshard.shrink_mesh(full, [7], "data")
+    with pytest.raises(
+        ValueError, match=r"leaf \['b'\] has SingleDeviceSharding.*NamedSharding of the old mesh"
+    ):
+        reshard.carry_shardings({"b": SingleDeviceSharding(DEVICES[7])}, small)
+    with pytest.raises(ValueError, match=r"leaf \['n'\] has ndarray"):
+        reshard.carry_shardings({"n": np.zeros(3)}, small)
+    other = mesh_of((4,), ("x",))
+    with pytest.raises(
+        ValueError,
+        match=r"leaf \['w'\] has spec .* naming axis 'fsdp', but the new mesh has axes \('x',\)",
+    ):
+        reshard.carry_shardings({"w": NamedSharding(full, P("fsdp"))}, other)
+
+
+# ----------------------------------------------------------------------------------
+# Recovery on random trees with random lost devices
+# ----------------------------------------------------------------------------------
+
+MESH_SHAPES = [(8,), (2, 4), (4, 2), (2, 2, 2), (1, 8)]
+DTYPES = [np.float32, np.int8, np.int16, np.float16, np.uint32]
+
+
+@st.composite
+def specs(draw, mesh_shape, rank):
+    names = [f"m{i}" for i in range(len(mesh_shape))]
+    order = draw(st.permutations(names))
+    entries: list[list[str]] = [[] for _ in range(rank)]
+    for name in order:
+        dim = draw(st.integers(-1, rank - 1))  # -1: replicated along this mesh axis
+        if dim >= 0:
+            entries[dim].append(name)
+    return P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
+
+
+@st.composite
+def recovery_cases(draw):
+    shape = draw(st.sampled_from(MESH_SHAPES))
+    perm = draw(st.permutations(range(8)))
+    src_mesh = mesh_of(shape, tuple(f"m{i}" for i in range(len(shape))), perm)
+    lost = draw(st.sets(st.integers(0, 7), max_size=6))
+    survivors = draw(st.permutations(sorted(set(range(8)) - lost)))
+    n_dst = draw(st.sampled_from([n for n in (1, 2, 4) if n <= len(survivors)]))
+    dst_shape = draw(st.sampled_from([(n_dst,)] + ([(2, 2)] if n_dst == 4 else [])))
+    dst_mesh = mesh_of(dst_shape, tuple(f"m{i}" for i in range(len(dst_shape))), survivors[:n_dst])
+    leaves = []
+    for _ in range(draw(st.integers(1, 3))):
+        rank = draw(st.integers(1, 3))
+        dims = tuple(draw(st.sampled_from([8, 16])) for _ in range(rank))
+        dtype = draw(st.sampled_from(DTYPES))
+        leaves.append((dims, dtype, draw(specs(shape, rank)), draw(specs(dst_shape, rank))))
+    return src_mesh, dst_mesh, lost, leaves, draw(st.booleans())
+
+
+def make_leaf(value: np.ndarray, sharding: NamedSharding, lost: set[int]) -> jax.Array:
+    """A sharded array whose shards on lost devices hold inverted bits (garbage)."""
+    bufs = []
+    for d, index in sharding.devices_indices_map(value.shape).items():
+        block = np.ascontiguousarray(value[index])
+        if d.id in lost:
+            raw = block.view(np.uint8)
+            block = (~raw).view(block.dtype).reshape(block.shape)
+        bufs.append(jax.device_put(block, d))
+    return jax.make_array_from_single_device_arrays(value.shape, sharding, bufs)
+
+
+def shard_bytes(x: jax.Array) -> dict[int, bytes]:
+    return {s.device.id: np.asarray(s.data).tobytes() for s in x.addressable_shards}
+
+
+def surviving_mask(shape, sharding, lost) -> np.ndarray:
+    mask = np.zeros(shape, dtype=bool)
+    for d, index in sharding.devices_indices_map(shape).items():
+        if d.id not in lost:
+            mask[index] = True
+    return mask
+
+
+@given(recovery_cases())
+def test_recover_random_trees_exact_or_names_what_is_lost(case):
+    src_mesh, dst_mesh, lost, leaves, donate = case
+    rng = np.random.default_rng(len(leaves))
+    values, x, dst, masks = {}, {}, {}, {}
+    for i, (dims, dtype, sspec, dspec) in enumerate(leaves):
+        raw = rng.integers(0, 256, size=math.prod(dims) * np.dtype(dtype).itemsize, dtype=np.uint8)
+        values[f"l{i}"] = raw.view(dtype).reshape(dims)
+        ssh = NamedSharding(src_mesh, sspec)
+        x[f"l{i}"] = make_leaf(values[f"l{i}"], ssh, lost)
+        dst[f"l{i}"] = NamedSharding(dst_mesh, dspec)
+        masks[f"['l{i}']"] = surviving_mask(dims, ssh, lost)
+    before = {k: shard_bytes(v) for k, v in x.items()}
+    lost_paths = {p for p, m in masks.items() if not m.all()}
+    event("data lost" if lost_paths else "recoverable")
+
+    if not lost_paths:
+        y = reshard.recover(x, dst, lost, donate=donate)
+        for k, v in values.items():
+            assert y[k].sharding == dst[k]
+            assert np.asarray(y[k]).tobytes() == v.tobytes(), k
+        if not donate:
+            assert {k: shard_bytes(v) for k, v in x.items()} == before
+        return
+
+    with pytest.raises(reshard.DataLossError, match=r"data lost: \d+ box\(es\)") as e:
+        reshard.recover(x, dst, lost, donate=donate)
+    got: dict[str, list] = {}
+    for path, box in e.value.missing:
+        got.setdefault(path, []).append(box)
+    assert set(got) == lost_paths
+    for path, boxes in got.items():
+        covered = np.zeros(masks[path].shape, dtype=int)
+        for box in boxes:
+            covered[tuple(slice(a, b) for a, b in box)] += 1
+        # The boxes are disjoint and cover exactly the elements no survivor holds.
+        assert covered.max() == 1
+        np.testing.assert_array_equal(covered.astype(bool), ~masks[path])
+    # Nothing moved and nothing was freed, even with donate=True.
+    assert not any(v.is_deleted() for v in x.values())
+    assert {k: shard_bytes(v) for k, v in x.items()} == before
+
+
+def test_recover_onto_a_mesh_reads_only_survivors():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    value = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    # Lost devices 0 and 1 hold garbage: the result must come from replica 1.
+    x = {"w": make_leaf(value, NamedSharding(full, P("fsdp")), {0, 1})}
+    small = reshard.shrink_mesh(full, [0, 1], "data")
+    p = reshard.plan(x, reshard.carry_shardings(x, small), avoid_devices=[0, 1])
+    srcs, _, matrix = p.transfer_matrix()
+    assert all(matrix[srcs.index(i)].sum() == 0 for i in (0, 1) if i in srcs)
+    y = reshard.recover(x, small, lost_devices=[DEVICES[0], DEVICES[1]])
+    np.testing.assert_array_equal(np.asarray(y["w"]), value)
+    assert y["w"].sharding == NamedSharding(small, P("fsdp"))
+
+
+def test_recover_data_loss_message_and_key_arrays():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    small = reshard.shrink_mesh(full, [4, 5], "data")
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(full, P("fsdp")))
+    y = reshard.recover({"k": keys}, small, [4, 5])
+    assert y["k"].sharding == NamedSharding(small, P("fsdp"))
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(y["k"])), np.asarray(jax.random.key_data(keys))
+    )
+    zero = jax.device_put(np.arange(16.0), NamedSharding(full, P(("data", "fsdp"))))
+    with pytest.raises(
+        reshard.DataLossError, match=r"1 box\(es\) .*\['opt'\]\[8:12\]\. Restore"
+    ) as e:
+        reshard.recover({"opt": zero}, small, [4, 5], donate=True)
+    assert e.value.missing == [("['opt']", ((8, 12),))]
+    assert not zero.is_deleted()
+
+
+def test_recover_refuses_a_destination_on_lost_devices():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    x = jax.device_put(np.zeros(8), NamedSharding(full, P("fsdp")))
+    with pytest.raises(ValueError, match=r"destination sharding uses avoided devices \[4, 5\]"):
+        reshard.recover(x, full, [4, 5])
+
+
+# ----------------------------------------------------------------------------------
+# The elastic loop
+# ----------------------------------------------------------------------------------
+
+
+def simple_state(mesh):
+    return {
+        "w": jax.device_put(
+            np.arange(32.0, dtype=np.float32).reshape(8, 4), NamedSharding(mesh, P("fsdp"))
+        ),
+        "step": jax.device_put(np.int32(0), NamedSharding(mesh, P())),
+    }
+
+
+def add_one(state, mesh):
+    new = jax.tree.map(lambda a: a + 1, state)
+    return new, dict(mesh.shape)
+
+
+def test_manager_mark_lost_then_returned(caplog):
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    em = reshard.ElasticManager(full, "data")
+    state = simple_state(full)
+    state, shape = em.run_step(add_one, state)
+    assert shape == {"data": 2, "fsdp": 4} and not em.events
+    with caplog.at_level(logging.INFO, logger="reshard.elastic"):
+        em.mark_lost([DEVICES[4], 5])
+        assert em.pending and em.lost_devices == {4, 5}
+        state, shape = em.run_step(add_one, state)
+    assert shape == {"data": 1, "fsdp": 4}
+    assert sorted(d.id for d in em.active_devices) == [0, 1, 2, 3]
+    assert sorted(d.id for d in em.inactive_devices) == [4, 5, 6, 7]
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(32.0).reshape(8, 4) + 2)
+    assert sorted(d.id for d in state["w"].devices()) == [0, 1, 2, 3]
+    ev = em.events[-1]
+    assert (ev.kind, ev.lost, ev.new_shape) == ("shrink", (4, 5), {"data": 1, "fsdp": 4})
+    assert ev.state_bytes == 32 * 4 + 4 and ev.bytes_moved == 0 and ev.seconds > 0
+    assert any(
+        "devices [4, 5] lost" in r.message and "recovered 132 B" in r.message
+        for r in caplog.records
+    )
+
+    em.mark_returned([4, 5])
+    before = np.asarray(state["w"]).copy()
+    grown = em.apply(state)
+    assert dict(em.mesh.shape) == {"data": 2, "fsdp": 4} and em.mesh == full
+    np.testing.assert_array_equal(np.asarray(grown["w"]), before)
+    assert grown["w"].sharding == NamedSharding(full, P("fsdp"))
+    ev = em.events[-1]
+    # Devices 4-7 receive a full replica of w (128 B) and the step counter (4 B each).
+    assert (ev.kind, ev.returned) == ("grow", (4, 5))
+    assert ev.bytes_moved == 128 + 4 * 4 and em.inactive_devices == ()
+
+
+def test_manager_recovers_from_an_error_raised_in_the_step():
+    full = mesh_of((4, 2), ("data", "fsdp"))
+    em = reshard.ElasticManager(full, "data", donate=True)
+    calls = []
+
+    def step(state, mesh):
+        calls.append(dict(mesh.shape))
+        if len(calls) == 1:
+            raise RuntimeError("UNAVAILABLE: TPU_6 heartbeat timed out; devices [7] halted")
+        return add_one(state, mesh)
+
+    state, shape = em.run_step(step, simple_state(full))
+    assert calls == [{"data": 4, "fsdp": 2}, {"data": 3, "fsdp": 2}]
+    assert em.lost_devices == {6, 7} and em.mesh.device_ids.tolist() == [[0, 1], [2, 3], [4, 5]]
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(32.0).reshape(8, 4) + 1)
+    assert em.events[-1].cause.startswith("RuntimeError: UNAVAILABLE")
+
+
+def test_manager_retry_limit_and_unrelated_errors():
+    full = mesh_of((8,), ("data",))
+    em = reshard.ElasticManager(full, "data", max_retries=2)
+    state = {"w": jax.device_put(np.zeros(4), NamedSharding(full, P()))}
+
+    def always_failing(state, mesh):
+        raise reshard.DeviceLossError([mesh.devices.flat[0]])
+
+    with pytest.raises(
+        RuntimeError, match=r"gave up after 2 retries; the last attempt lost devices \[2\]"
+    ):
+        em.run_step(always_failing, state)
+    assert em.lost_devices == {0, 1}  # the third loss was not applied
+
+    def buggy(state, mesh):
+        raise ValueError("shapes do not match on device 3")
+
+    with pytest.raises(ValueError, match="shapes do not match"):
+        em.run_step(buggy, state)
+    # A device error about devices outside the mesh is not ours to handle.
+    with pytest.raises(reshard.DeviceLossError):
+        em.run_step(lambda s, m: (_ for _ in ()).throw(reshard.DeviceLossError([0])), state)
+
+
+def test_manager_data_loss_leaves_everything_as_it_was():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    em = reshard.ElasticManager(full, "data", donate=True)
+    state = {"opt": jax.device_put(np.arange(16.0), NamedSharding(full, P(("data", "fsdp"))))}
+    em.mark_lost([6])
+    with pytest.raises(reshard.DataLossError, match=r"\['opt'\]\[12:14\]"):
+        em.apply(state)
+    assert em.mesh is full and em.pending and not em.events
+    np.testing.assert_array_equal(np.asarray(state["opt"]), np.arange(16.0))
+
+
+def test_manager_argument_errors():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    with pytest.raises(ValueError, match=r"axis 'dp' is not an axis of the mesh"):
+        reshard.ElasticManager(full, "dp")
+    with pytest.raises(ValueError, match=r"max_retries must be >= 0, got -1"):
+        reshard.ElasticManager(full, "data", max_retries=-1)
+    em = reshard.ElasticManager(mesh_of((1, 4), ("data", "fsdp")), "data")
+    with pytest.raises(ValueError, match=r"devices \[6\] are not in the full mesh.*grow_mesh"):
+        em.mark_lost([6])
+    em.mark_lost([1])
+    with pytest.raises(ValueError, match=r"every one of the 1 slice\(s\)"):
+        em.apply(simple_state(em.full_mesh))
+
+
+@pytest.mark.parametrize(
+    ("error", "ids"),
+    [
+        (reshard.DeviceLossError([1, 2]), {1, 2}),
+        (RuntimeError("UNAVAILABLE: TPU_3(process=0,(1,1,0,0)) heartbeat lost"), {3}),
+        (RuntimeError("INTERNAL: device 2 failed: Xid 79"), {2}),
+        (RuntimeError("DATA_LOSS on devices [4, 5]"), {4, 5}),
+        (RuntimeError("CudaDevice(id=6) is unhealthy"), {6}),
+        (RuntimeError("INTERNAL: gpu:1 uncorrectable ECC error"), {1}),
+        (RuntimeError("RESOURCE_EXHAUSTED: out of memory on device 3, allocation failed"), set()),
+        (RuntimeError("INTERNAL: compilation failed"), set()),
+        (RuntimeError("device 3 is fine"), set()),
+        (ValueError("UNAVAILABLE device 3 lost"), set()),
+    ],
+)
+def test_parse_lost_devices(error, ids):
+    assert reshard.parse_lost_devices(error) == ids
+
+
+def test_docstring_examples_run():
+    for module in (_mesh_surgery, _elastic):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+# ----------------------------------------------------------------------------------
+# The example
+# ----------------------------------------------------------------------------------
+
+
+def test_example_runs_and_its_checks_pass():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "elastic_training.py"), "--small"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "check FAILED" not in out
+    for line in (
+        "shrink: devices [4, 5] lost; mesh {'data': 2, 'fsdp': 4} -> {'data': 1, 'fsdp': 4}",
+        "check passed: recovered state is bit-exact",
+        "check passed: spread state is bit-exact",
+        "check passed: loss still falling on 4 devices",
+        "DataLossError: data lost: 1 box(es)",
+        "all checks passed",
+    ):
+        assert line in out, (line, out)
