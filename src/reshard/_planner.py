@@ -23,10 +23,13 @@ process; it never reads from devices the caller asks it to avoid.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ._errors import DataLossError
 from ._geometry import Box, intersect, merge_boxes, subtract, volume
@@ -63,11 +66,11 @@ class LeafSpec:
     dst: tuple[ShardSpec, ...]
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """One copy of ``box`` from source shard ``src`` to destination shard ``dst``.
 
-    ``src``/``dst`` index the ``LeafSpec.src``/``LeafSpec.dst`` shard tuples.
+    ``src``/``dst`` index the ``LeafSpec.src``/``LeafSpec.dst`` shard tuples. A named
+    tuple, not a dataclass: plans for thousands of devices hold millions of these.
     """
 
     box: Box
@@ -237,22 +240,34 @@ def plan_leaves(
       ValueError: a sharding's shards do not tile its array.
     """
     avoid = frozenset(avoid_devices)
-    # Requests: (bytes, leaf index, dst shard index, region box, candidate src shards).
+    # Requests: (-bytes, leaf index, dst shard index, region box, candidate src shards).
     requests: list[tuple[int, int, int, Box, tuple[int, ...]]] = []
     kept: list[list[Piece]] = [[] for _ in leaves]
     reused: list[list[tuple[int, int]]] = [[] for _ in leaves]
     missing: list[tuple[str, Box]] = []
 
+    # Arrays with the same geometry (every layer of a model, say) get one plan: the
+    # representative's pieces are shared, so planning cost grows with the number of
+    # distinct geometries, not of leaves.
+    first: dict[tuple[object, ...], int] = {}
+    rep_of = [
+        first.setdefault((s.shape, s.itemsize, s.src, s.dst), li) for li, s in enumerate(leaves)
+    ]
+    lost_of: dict[int, list[Box]] = {}
+
     for li, spec in enumerate(leaves):
+        if rep_of[li] != li:
+            missing.extend((spec.name, b) for b in lost_of[rep_of[li]])
+            continue
         distinct = _check_tiling(spec, "source", spec.src)
         _check_tiling(spec, "destination", spec.dst)
         holders: dict[Box, list[int]] = defaultdict(list)
         for si, s in enumerate(spec.src):
             if s.device not in avoid:
                 holders[s.box].append(si)
-        lost = [b for b in distinct if b not in holders]
-        if lost:
-            missing.extend((spec.name, b) for b in merge_boxes(lost))
+        lost_of[li] = merge_boxes([b for b in distinct if b not in holders])
+        if lost_of[li]:
+            missing.extend((spec.name, b) for b in lost_of[li])
             continue
         index = _BoxIndex(distinct)
         at = {s.location: si for si, s in enumerate(spec.src) if s.device not in avoid}
@@ -280,70 +295,114 @@ def plan_leaves(
                             parts.append((ov, tuple(holders[b])))
                     region_cache[region] = parts
                 for ov, cands in parts:
-                    requests.append((volume(ov) * spec.itemsize, li, di, ov, cands))
+                    requests.append((-volume(ov) * spec.itemsize, li, di, ov, cands))
 
     if missing:
         raise DataLossError(missing)
 
     # Greedy balanced choice among replicas: biggest requests first, each to the
     # candidate (same process as the destination if possible) with the least load.
-    requests.sort(key=lambda r: (-r[0], r[1], r[2], r[3]))
+    # Requests are generated in a deterministic order and the sort is stable.
+    requests.sort(key=_neg_bytes)
     load: dict[int, int] = defaultdict(int)
+    pools: dict[tuple[int, tuple[int, ...], int], list[tuple[int, int, int]]] = {}
+    procs: dict[tuple[int, tuple[int, ...]], dict[int, list[int]]] = {}
     chosen: dict[tuple[int, int, int], list[Box]] = defaultdict(list)
-    for nbytes, li, di, box, cands in requests:
+    for neg, li, di, box, cands in requests:
         spec = leaves[li]
         dproc = spec.dst[di].process
-        pool = [c for c in cands if spec.src[c].process == dproc] or list(cands)
-        best = min(pool, key=lambda c: (load[spec.src[c].device], spec.src[c].device))
-        load[spec.src[best].device] += nbytes
+        by_proc = procs.get((li, cands))
+        if by_proc is None:
+            by_proc = procs[(li, cands)] = defaultdict(list)
+            for c in cands:
+                by_proc[spec.src[c].process].append(c)
+        pkey = (li, cands, dproc if dproc in by_proc else -1)
+        heap = pools.get(pkey)
+        if heap is None:
+            pool = by_proc.get(dproc, cands)
+            heap = [(load[spec.src[c].device], spec.src[c].device, c) for c in pool]
+            heapq.heapify(heap)
+            pools[pkey] = heap
+        # Loads only grow, so a stale heap entry is refreshed and pushed back until
+        # the top is current: that top is the least-loaded candidate (ties: lowest id).
+        while True:
+            old, dev, best = heap[0]
+            if old == load[dev]:
+                break
+            heapq.heapreplace(heap, (load[dev], dev, best))
+        load[dev] -= neg
+        heapq.heapreplace(heap, (load[dev], dev, best))
         chosen[(li, best, di)].append(box)
 
     moved: list[list[Piece]] = [[] for _ in leaves]
     for (li, si, di), boxes in sorted(chosen.items()):
-        for box in merge_boxes(boxes):
-            moved[li].append(Piece(box, si, di))
+        if len(boxes) == 1:
+            moved[li].append(Piece(boxes[0], si, di))
+        else:
+            moved[li].extend(Piece(box, si, di) for box in merge_boxes(boxes))
 
+    reps = {
+        li: LeafPlan(spec, tuple(kept[li]), tuple(moved[li]), tuple(reused[li]))
+        for li, spec in enumerate(leaves)
+        if rep_of[li] == li
+    }
     plans = tuple(
-        LeafPlan(spec, tuple(kept[li]), tuple(moved[li]), tuple(reused[li]))
+        reps[li] if rep_of[li] == li else dataclasses.replace(reps[rep_of[li]], spec=spec)
         for li, spec in enumerate(leaves)
     )
     return plans, _stats(plans)
+
+
+def _neg_bytes(request: tuple[int, int, int, Box, tuple[int, ...]]) -> int:
+    return request[0]
 
 
 def _stats(plans: Sequence[LeafPlan]) -> PlanStats:
     send: dict[int, int] = defaultdict(int)
     recv: dict[int, int] = defaultdict(int)
     peak: dict[int, int] = defaultdict(int)
-    array_bytes = bytes_total = bytes_moved = bytes_kept = lower = transfers = 0
+    totals = [0] * 6  # array, total, moved, kept, lower bound, transfers
+    memo: dict[
+        tuple[int, int], tuple[list[int], dict[int, int], dict[int, int], dict[int, int]]
+    ] = {}
     for lp in plans:
-        spec = lp.spec
-        isz = spec.itemsize
-        array_bytes += math.prod(spec.shape) * isz
-        lower += lower_bound_bytes(spec)
-        reused_dst = {di for di, _ in lp.reused}
-        for di, d in enumerate(spec.dst):
-            nbytes = volume(d.box) * isz
-            bytes_total += nbytes
-            if di in reused_dst:
-                bytes_kept += nbytes
-            else:
-                peak[d.device] += nbytes
-        for p in lp.kept:
-            bytes_kept += volume(p.box) * isz
-        for p in lp.moved:
-            nbytes = volume(p.box) * isz
-            bytes_moved += nbytes
-            transfers += 1
-            send[spec.src[p.src].device] += nbytes
-            recv[spec.dst[p.dst].device] += nbytes
+        # Leaves sharing a representative's pieces share its numbers too.
+        key = (id(lp.moved), id(lp.kept))
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = _leaf_stats(lp)
+        nums, s, r, p = hit
+        for i, v in enumerate(nums):
+            totals[i] += v
+        for acc, part in ((send, s), (recv, r), (peak, p)):
+            for dev, v in part.items():
+                acc[dev] += v
     return PlanStats(
-        array_bytes=array_bytes,
-        bytes_total=bytes_total,
-        bytes_moved=bytes_moved,
-        bytes_kept=bytes_kept,
-        bytes_lower_bound=lower,
-        transfers=transfers,
-        send_bytes=dict(send),
-        recv_bytes=dict(recv),
-        peak_extra_bytes=dict(peak),
+        *totals, send_bytes=dict(send), recv_bytes=dict(recv), peak_extra_bytes=dict(peak)
     )
+
+
+def _leaf_stats(lp: LeafPlan) -> tuple[list[int], dict[int, int], dict[int, int], dict[int, int]]:
+    spec = lp.spec
+    isz = spec.itemsize
+    send: dict[int, int] = defaultdict(int)
+    recv: dict[int, int] = defaultdict(int)
+    peak: dict[int, int] = defaultdict(int)
+    total = kept = moved = 0
+    reused_dst = {di for di, _ in lp.reused}
+    for di, d in enumerate(spec.dst):
+        nbytes = volume(d.box) * isz
+        total += nbytes
+        if di in reused_dst:
+            kept += nbytes
+        else:
+            peak[d.device] += nbytes
+    for p in lp.kept:
+        kept += volume(p.box) * isz
+    for p in lp.moved:
+        nbytes = volume(p.box) * isz
+        moved += nbytes
+        send[spec.src[p.src].device] += nbytes
+        recv[spec.dst[p.dst].device] += nbytes
+    nums = [math.prod(spec.shape) * isz, total, moved, kept, lower_bound_bytes(spec), len(lp.moved)]
+    return nums, send, recv, peak

@@ -1,0 +1,160 @@
+"""Shared test helpers: random meshes/specs/values and the numpy ground truth."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+DTYPES = [
+    "float32",
+    "bfloat16",
+    "float16",
+    "int8",
+    "int32",
+    "uint8",
+    "bool",
+    "complex64",
+    "int4",
+    "key",
+]
+MEMORY_KINDS = ["device", "pinned_host", "unpinned_host"]
+
+
+def factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
+    """All ordered ways to write ``n`` as a product of ``parts`` factors >= 1."""
+    if parts == 1:
+        return [(n,)]
+    out = []
+    for f in range(1, n + 1):
+        if n % f == 0:
+            out.extend((f, *rest) for rest in factorizations(n // f, parts - 1))
+    return out
+
+
+@st.composite
+def meshes(draw: Any, devices: list[Any] | None = None, max_devices: int = 8) -> Mesh:
+    """A mesh over a random ordered subset of the devices, with 1-3 axes."""
+    pool = devices if devices is not None else jax.devices()[:max_devices]
+    n = draw(st.integers(1, len(pool)))
+    chosen = draw(st.permutations(pool))[:n]
+    rank = draw(st.integers(1, 3))
+    shape = draw(st.sampled_from(factorizations(n, rank)))
+    names = tuple("xyz"[:rank])
+    return Mesh(np.array(chosen).reshape(shape), names)
+
+
+@st.composite
+def specs(draw: Any, mesh: Mesh, ndim: int) -> PartitionSpec:
+    """A random spec for a rank-``ndim`` array: entries None, one axis, or several."""
+    free = list(mesh.axis_names)
+    entries: list[Any] = []
+    for _ in range(ndim):
+        kind = draw(st.sampled_from(["none", "one", "many"]))
+        if kind == "none" or not free:
+            entries.append(None)
+        elif kind == "one":
+            a = draw(st.sampled_from(free))
+            free.remove(a)
+            entries.append(a)
+        else:
+            k = draw(st.integers(1, len(free)))
+            axes = draw(st.permutations(free))[:k]
+            for a in axes:
+                free.remove(a)
+            entries.append(tuple(axes))
+    # Sometimes drop trailing entries (shorter specs are legal).
+    cut = draw(st.integers(0, ndim))
+    return PartitionSpec(*entries[:cut])
+
+
+def shard_counts(sharding: NamedSharding, ndim: int) -> list[int]:
+    counts = []
+    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+    for e in spec:
+        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        counts.append(math.prod(sharding.mesh.shape[a] for a in axes))
+    return counts
+
+
+def random_values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> Any:
+    """Random host values of ``dtype`` (random bits for floats: NaNs included)."""
+    if dtype == "key":
+        return jax.random.split(
+            jax.random.key(int(rng.integers(1 << 30))), math.prod(shape)
+        ).reshape(shape)
+    if dtype == "bool":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype == "int4":
+        return rng.integers(-8, 8, shape).astype(ml_dtypes.int4)
+    dt = np.dtype(jnp.dtype(dtype))
+    raw = rng.integers(0, 256, math.prod(shape) * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)
+
+
+def as_bits(a: Any) -> np.ndarray:
+    """A byte-exact, comparable numpy form of any array (keys through their data)."""
+    if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    a = np.asarray(a)
+    if a.dtype == ml_dtypes.int4:
+        return a.astype(np.int8)
+    if a.dtype == bool:
+        return a.view(np.uint8)
+    return (
+        a.view(np.uint8)
+        if a.dtype.itemsize == 1
+        else a.view(f"u{a.dtype.itemsize}")
+        if a.dtype.itemsize <= 8
+        else a.view(np.uint64)
+    )
+
+
+def place(values: Any, sharding: Any) -> jax.Array:
+    """Puts host values (or a key array) on ``sharding`` through a fresh XLA buffer."""
+    return jax.jit(lambda v: v, out_shardings=sharding)(values)
+
+
+def check_result(y: jax.Array, truth: Any, dst: Any) -> None:
+    """Values, sharding and per-device shard placement, bit for bit."""
+    assert y.shape == truth.shape
+    want = as_bits(truth)
+    np.testing.assert_array_equal(as_bits(y), want)
+    index = dst.devices_indices_map(y.shape)
+    if jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key):
+        # JAX spells key arrays' shardings and shard indices its own way (P(None,)
+        # for P(); rank-0 keys indexed over their data): match what JAX itself gives.
+        ref = place(truth, dst)
+        assert y.sharding == ref.sharding, f"sharding {y.sharding} != {ref.sharding}"
+        assert y.sharding.is_equivalent_to(dst, y.ndim)
+        index = {s.device: s.index for s in ref.addressable_shards}
+    else:
+        assert y.sharding == dst, f"sharding {y.sharding} != {dst}"
+    seen = set()
+    for shard in y.addressable_shards:
+        assert shard.device in index, f"shard on unexpected device {shard.device}"
+        assert shard.index == index[shard.device], (shard.index, index[shard.device])
+        assert shard.data.sharding.memory_kind == dst.memory_kind
+        np.testing.assert_array_equal(as_bits(shard.data), want[shard.index])
+        seen.add(shard.device)
+    assert seen == set(dst.addressable_devices)
+
+
+def lower_bound_by_masks(shape: tuple[int, ...], itemsize: int, src: Any, dst: Any) -> int:
+    """Independent lower bound with numpy masks: per destination shard, elements not
+    held at the same (device, memory kind) by the source."""
+    src_index = src.devices_indices_map(shape)
+    total = 0
+    for dev, idx in dst.devices_indices_map(shape).items():
+        need = np.zeros(shape, bool)
+        need[idx] = True
+        if dev in src_index and src.memory_kind == dst.memory_kind:
+            need[src_index[dev]] = False
+        total += int(need.sum())
+    return total * itemsize

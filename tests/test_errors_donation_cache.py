@@ -1,0 +1,192 @@
+"""Bad input gets a clear error naming the leaf or argument; failures lose nothing;
+cached plans do not recompile."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from helpers import place
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import reshard
+from reshard import _local_executor
+
+DEVS = jax.devices()
+
+
+def sharding(ids, spec=None, **kw):
+    spec = P("a") if spec is None else spec
+    return NamedSharding(Mesh(np.array([DEVS[i] for i in ids]), ("a",)), spec, **kw)
+
+
+@pytest.fixture
+def tree():
+    return {
+        "w": place(np.arange(32.0).reshape(8, 4), sharding([0, 1, 2, 3])),
+        "b": place(np.arange(8, dtype=np.int32), sharding([0, 1])),
+    }
+
+
+def test_non_sharding_leaf_names_path(tree):
+    with pytest.raises(
+        ValueError, match=r"sharding at \['b'\] must be a jax.sharding.Sharding, got str"
+    ):
+        reshard.reshard(tree, {"w": sharding([4, 5]), "b": "replicated"})
+
+
+def test_partition_spec_gets_a_hint(tree):
+    with pytest.raises(
+        ValueError,
+        match=r"root must be a jax.sharding.Sharding, got P: .*Wrap a PartitionSpec in NamedSharding",
+    ):
+        reshard.reshard(tree, P("a"))
+
+
+def test_sharding_tree_not_a_prefix(tree):
+    with pytest.raises(ValueError, match="must be a tree prefix of x"):
+        reshard.reshard(tree, {"w": sharding([4, 5]), "other": sharding([4, 5])})
+    with pytest.raises(ValueError, match="must be a tree prefix of x"):
+        reshard.reshard(tree, [sharding([4, 5])])
+
+
+def test_indivisible_shape_names_leaf(tree):
+    with pytest.raises(
+        ValueError, match=r"leaf \['b'\]: shape \(8,\) cannot be divided by the destination"
+    ):
+        reshard.reshard(tree, {"w": sharding([4, 5]), "b": sharding([2, 3, 4])})
+
+
+def test_spec_longer_than_rank(tree):
+    mesh = Mesh(np.array(DEVS[:4]).reshape(2, 2), ("x", "y"))
+    with pytest.raises(
+        ValueError,
+        match=r"leaf \['b'\]: destination spec .* has 2 entries but the array has rank 1",
+    ):
+        reshard.reshard(tree, {"w": sharding([4, 5]), "b": NamedSharding(mesh, P("x", "y"))})
+
+
+def test_deleted_input(tree):
+    tree["w"].delete()
+    with pytest.raises(ValueError, match=r"leaf \['w'\] is a deleted jax.Array"):
+        reshard.reshard(tree, sharding([4, 5]))
+
+
+def test_donated_input_cannot_be_reused(tree):
+    reshard.reshard(tree, sharding([4, 5]), donate=True)
+    assert tree["w"].is_deleted() and tree["b"].is_deleted()
+    with pytest.raises(ValueError, match="deleted jax.Array"):
+        reshard.reshard(tree, sharding([6, 7]))
+
+
+def test_bad_executor_name(tree):
+    with pytest.raises(ValueError, match=r"executor must be one of .* got 'gpu'"):
+        reshard.reshard(tree, sharding([4, 5]), executor="gpu")
+
+
+def test_plan_used_on_other_input(tree):
+    p = reshard.plan(tree, sharding([4, 5]))
+    with pytest.raises(ValueError, match="the plan was built for"):
+        p.execute({"w": tree["w"], "b": place(np.arange(8, dtype=np.int32), sharding([2, 3]))})
+    with pytest.raises(ValueError, match="x has structure"):
+        p.execute([tree["w"], tree["b"]])
+
+
+def test_avoided_destination_device(tree):
+    with pytest.raises(ValueError, match=r"destination sharding uses avoided devices \[4\]"):
+        reshard.reshard(tree, sharding([4, 5]), avoid_devices=[DEVS[4]])
+
+
+def test_data_loss_is_reported_before_moving(tree):
+    with pytest.raises(reshard.DataLossError, match=r"\['w'\]\[2:4, 0:4\]") as e:
+        reshard.reshard(tree, sharding([4, 5]), avoid_devices=[1])
+    assert e.value.missing == [("['b']", ((4, 8),)), ("['w']", ((2, 4), (0, 4)))]
+    assert not tree["w"].is_deleted()
+
+
+@pytest.mark.parametrize("executor", ["host", "device"])
+def test_failure_mid_run_loses_nothing(tree, monkeypatch, executor):
+    """Inject a failure after some outputs exist: donated inputs must survive intact."""
+    before = {k: np.asarray(v).copy() for k, v in tree.items()}
+    real = _local_executor._compat.assemble
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_local_executor._compat, "assemble", flaky)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        reshard.reshard(tree, sharding([4, 5, 6, 7]), donate=True, executor=executor)
+    for k, v in tree.items():
+        assert not v.is_deleted()
+        np.testing.assert_array_equal(np.asarray(v), before[k])
+
+
+def test_multi_process_without_collective_is_a_clear_error(tree, monkeypatch):
+    p = reshard.plan(tree, sharding([4, 5]), executor="host", cache=False)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="runs in one process, but JAX runs 2 processes"):
+        p.execute(tree)
+
+
+def test_mixed_platforms_error(tree, monkeypatch):
+    class FakeDevice:
+        id = 99
+        platform = "gpu"
+        process_index = 0
+
+    class FakeSharding(SingleDeviceSharding):
+        @property
+        def device_set(self):
+            return {FakeDevice()}
+
+    fake = FakeSharding(DEVS[0])
+    with pytest.raises(ValueError, match=r"mix platforms \['cpu', 'gpu'\]"):
+        reshard.plan(tree["b"], fake, cache=False)
+
+
+class CompileCounter:
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event, *args, **kwargs):
+        if "backend_compile" in event:
+            self.count += 1
+
+
+def test_cached_plans_do_not_recompile():
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        src = sharding([0, 1, 2, 3])
+        dst = NamedSharding(Mesh(np.array(DEVS[4:8]).reshape(2, 2), ("x", "y")), P("y", "x"))
+        x = place(np.arange(64.0).reshape(8, 8), src)
+        reshard.clear_plan_cache()
+        reshard.reshard(x, dst, executor="device", cache_resharding_plans=True)
+        first = counter.count
+        assert first > 0  # the device path compiles its slicing/assembly programs
+        p1 = reshard.plan(x, dst, executor="device")
+        for _ in range(3):
+            y = reshard.reshard(x, dst, executor="device", cache_resharding_plans=True)
+        assert counter.count == first
+        assert reshard.plan(x, dst, executor="device") is p1
+        np.testing.assert_array_equal(np.asarray(y), np.arange(64.0).reshape(8, 8))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    from reshard import _api
+
+    monkeypatch.setattr(_api, "PLAN_CACHE_SIZE", 3)
+    reshard.clear_plan_cache()
+    src = sharding([0, 1])
+    for n in range(6):
+        reshard.plan(
+            jax.ShapeDtypeStruct((2 * (n + 1),), np.float32, sharding=src), sharding([2, 3])
+        )
+    assert _api.plan_cache_size() == 3
