@@ -1,0 +1,148 @@
+"""The ``reshard`` command line: ``demo``, ``plan`` and ``bench``.
+
+``reshard demo`` shows, on simulated CPU devices, what the library does and how it
+compares with ``jax.device_put``; ``reshard plan`` explains a reshard of any number of
+synthetic devices without data; ``reshard bench`` runs the repository's benchmark suite.
+
+Conventions every command follows:
+
+* Human output goes through ``rich``: tables and colours on a terminal, plain text when
+  piped (rich decides from ``isatty``). ``--json`` prints one JSON document instead.
+* A mistake on the command line is one line on stderr that says what is wrong and how
+  to write it, and exit code 2 -- never a traceback. Data loss (``--avoid``) is exit
+  code 1. Anything else that fails is a bug and keeps its traceback.
+* Heavy imports happen inside the commands: ``reshard demo`` must choose the number of
+  simulated devices before JAX initialises its backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+_EPILOG = """examples:
+  reshard demo                              # 8 simulated CPU devices, ~200 MB of weights
+  reshard demo --devices 4 --size-mb 16
+  reshard plan --shape 12288,8192 --src-mesh 64x64 --src-devices 0-4095 \\
+               --dst-mesh 48x64 --dst-devices 4096-7167
+  reshard bench --json
+"""
+
+
+class UsageError(Exception):
+    """A mistake on the command line: printed as one line, exit code 2.
+
+    Args:
+      message: what is wrong and how to write it.
+      prog: the command it belongs to (``"reshard plan"``); filled in by ``main``
+        when not given.
+    """
+
+    def __init__(self, message: str, prog: str | None = None) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')", prog=self.prog)
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1, e.g. 8")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (argparse type)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0, e.g. 200 or 4.5")
+    return v
+
+
+def add_output_arguments(p: argparse.ArgumentParser, *, blocks: bool = True) -> None:
+    """``--blocks`` (heatmap size) and ``--json``, shared by the commands that plan."""
+    if blocks:
+        p.add_argument(
+            "--blocks", type=positive_int, default=32, help="heatmap blocks per side, at most (32)"
+        )
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``reshard`` and its three commands."""
+    from . import __version__, _cli_bench, _cli_demo, _cli_plan
+
+    parser = _Parser(
+        prog="reshard",
+        description="Move sharded JAX arrays between shardings and device sets: "
+        "see it work (demo), explain a plan (plan), measure (bench).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"reshard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+    commands = (
+        ("demo", _cli_demo, "reshard an LLM-shaped tree on simulated CPU devices"),
+        ("plan", _cli_plan, "explain a reshard of synthetic devices (thousands), without data"),
+        ("bench", _cli_bench, "run the benchmark suite and print the table of ratios"),
+    )
+    for name, module, summary in commands:
+        # The first paragraph of the command module's docstring describes the command.
+        doc = (module.__doc__ or "").split("\n\n")[0].replace("``", "")
+        cmd = sub.add_parser(name, help=summary, description=doc)
+        module.add_arguments(cmd)
+        cmd.set_defaults(run=module.run)
+    return parser
+
+
+def console() -> Any:
+    """The stdout console: colours only on a terminal; no guessing of highlights."""
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``reshard`` console script and of ``python -m reshard``.
+
+    Args:
+      argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+      The exit code: 0 success, 1 failure (e.g. data loss), 2 a command-line mistake.
+    """
+    prog = "reshard"
+    try:
+        args = build_parser().parse_args(argv)
+        prog = f"reshard {args.command}"
+        return int(args.run(args, console()))
+    except UsageError as e:
+        print(f"{e.prog or prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("reshard: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `reshard plan ... | head`: the reader left; nothing is wrong. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
