@@ -128,11 +128,11 @@ def check_result(y: jax.Array, truth: Any, dst: Any) -> None:
     np.testing.assert_array_equal(as_bits(y), want)
     index = dst.devices_indices_map(y.shape)
     if jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key):
-        # JAX spells key arrays' shardings and shard indices its own way (P(None,)
-        # for P(); rank-0 keys indexed over their data): match what JAX itself gives.
+        # JAX spells key arrays' specs inconsistently (jit and device_put disagree on
+        # P() vs P(None,)) and indexes rank-0 key shards over their data: require an
+        # equivalent sharding and the placement JAX itself gives for these keys.
         ref = place(truth, dst)
-        assert y.sharding == ref.sharding, f"sharding {y.sharding} != {ref.sharding}"
-        assert y.sharding.is_equivalent_to(dst, y.ndim)
+        assert y.sharding.is_equivalent_to(dst, y.ndim), f"sharding {y.sharding} !~ {dst}"
         index = {s.device: s.index for s in ref.addressable_shards}
     else:
         assert y.sharding == dst, f"sharding {y.sharding} != {dst}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _compat
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
@@ -80,7 +79,11 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
 
     out = list(values)
     for (i, leaf), arr in zip(planned, moved, strict=True):
-        out[i] = _wrap_keys(arr, values[i], leaf.dst_sharding) if leaf.kind == KEY else arr
+        if leaf.kind == KEY:
+            # The key array's sharding follows the data's; JAX may spell its spec
+            # differently (P(None,) for P()), as jax.device_put itself does.
+            arr = jax.random.wrap_key_data(arr, impl=jax.random.key_impl(values[i]))
+        out[i] = arr
     host = [i for i, leaf in enumerate(plan.leaves) if leaf.kind == HOST]
     if host:
         placed = jax.device_put(
@@ -107,23 +110,3 @@ def _donate(x: jax.Array, data: jax.Array, keep_devices: set[int]) -> None:
     for dev, buf in _compat.device_buffers(data).items():
         if dev not in keep_devices:
             buf.delete()
-
-
-def _wrap_keys(data: jax.Array, like: jax.Array, sharding: Any) -> jax.Array:
-    """Key data back to a key array, with the sharding ``jax.device_put`` would give.
-
-    JAX spells a key array's ``NamedSharding`` spec padded to the array's rank
-    (``P(None,)`` for ``P()`` on a rank-1 array) while ``wrap_key_data`` copies the
-    data's spec; where the two differ, the buffers are re-wrapped under JAX's spelling.
-    """
-    keys = jax.random.wrap_key_data(data, impl=jax.random.key_impl(like))
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (keys.ndim - len(sharding.spec))
-        sharding = NamedSharding(
-            sharding.mesh, PartitionSpec(*spec), memory_kind=sharding.memory_kind
-        )
-    if keys.sharding == sharding:
-        return keys
-    return jax.make_array_from_single_device_arrays(
-        keys.shape, sharding, [s.data for s in keys.addressable_shards]
-    )
