@@ -1,0 +1,393 @@
+"""The ``reshard`` command line, run as a user runs it: subprocesses, small sizes.
+
+What the CLI prints must be the library's own numbers: ``--json`` outputs are compared
+with plans built here, in this process (8 simulated devices from ``conftest``), from the
+same shardings; and every plan must move exactly the lower bound. Command-line mistakes
+must be one line on stderr with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import reshard
+from reshard import _cli, _cli_demo
+
+SIZE_MB = "4"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # The CLI chooses its own device count; colour must depend on the terminal only.
+    for k in ("XLA_FLAGS", "FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE", "JAX_NUM_CPU_DEVICES"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m reshard ARGS`` with stdout/stderr captured (piped: no terminal)."""
+    return subprocess.run(
+        [sys.executable, "-m", "reshard", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(**env),
+    )
+
+
+def run_json(*args: str, timeout: float = 120, **env: str) -> Any:
+    res = run_cli(*args, "--json", timeout=timeout, **env)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def roundtrip(x: Any) -> Any:
+    """What a value looks like after JSON (int keys become strings, tuples lists)."""
+    return json.loads(json.dumps(x))
+
+
+def check_report(report: dict[str, Any]) -> None:
+    """Internal consistency of a report: optimal, and the matrix adds up to the stats."""
+    s = report["stats"]
+    assert s["bytes_moved"] == s["bytes_lower_bound"]
+    m = np.array(report["matrix"]["bytes"], dtype=np.int64)
+    src_blocks, dst_blocks = report["matrix"]["src_blocks"], report["matrix"]["dst_blocks"]
+    assert m.shape == (len(src_blocks), len(dst_blocks))
+    assert m.sum() == s["bytes_moved"]
+    assert sum(s["send_bytes"].values()) == s["bytes_moved"]
+    assert sum(s["recv_bytes"].values()) == s["bytes_moved"]
+    for row, ids in zip(m, src_blocks, strict=True):
+        assert row.sum() == sum(s["send_bytes"].get(str(i), 0) for i in ids)
+    for col, ids in zip(m.T, dst_blocks, strict=True):
+        assert col.sum() == sum(s["recv_bytes"].get(str(i), 0) for i in ids)
+
+
+def check_matrix_equals_library(report: dict[str, Any], plan: reshard.Plan) -> None:
+    """With one device per block, the report's matrix is ``Plan.transfer_matrix()``."""
+    srcs, dsts, m = plan.transfer_matrix()
+    assert [b for (b,) in report["matrix"]["src_blocks"]] == srcs
+    assert [b for (b,) in report["matrix"]["dst_blocks"]] == dsts
+    np.testing.assert_array_equal(np.array(report["matrix"]["bytes"]), m)
+
+
+def one_line_usage_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("reshard") and "error:" in lines[0], lines[0]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+# ----------------------------------------------------------------------------------
+# demo
+# ----------------------------------------------------------------------------------
+
+
+def _library_plans(size_mb: float) -> dict[str, reshard.Plan]:
+    """The demo's scenarios planned here, from avals and shardings only."""
+    tree, _ = _cli_demo.model_tree(size_mb, 8)
+    plans = {}
+    for sc in _cli_demo.scenarios(jax.devices()[:8]):
+        src = _cli_demo._shardings(tree, sc.src_mesh, sc.src_style)
+        dst = _cli_demo._shardings(tree, sc.dst_mesh, sc.dst_style)
+        avals = jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype), sharding=s),
+            tree,
+            src,
+            is_leaf=_cli_demo._is_param,
+        )
+        plans[sc.key] = reshard.plan(avals, dst, avoid_devices=[d.id for d in sc.lost], cache=False)
+    return plans
+
+
+@pytest.mark.timeout(180)
+def test_demo_json_matches_library_plans_and_verifies() -> None:
+    out = run_json("demo", "--size-mb", SIZE_MB, "--repeats", "1", timeout=150)
+    assert out["devices"] == 8 and out["processes"] == 1 and out["platform"] == "cpu"
+    assert out["tree"]["arrays"] == 74
+    assert [s["key"] for s in out["scenarios"]] == ["disjoint", "relayout", "shrink", "regrow"]
+    plans = _library_plans(float(SIZE_MB))
+    for sc in out["scenarios"]:
+        assert sc["verify"]["ok"], sc["verify"]["problems"]
+        assert sc["verify"]["arrays"] == 74 and sc["verify"]["shards"] > 74
+        check_report(sc)
+        plan = plans[sc["key"]]
+        assert sc["stats"] == roundtrip(plan.stats.as_dict())
+        check_matrix_equals_library(sc, plan)
+        tm = sc["timing"]
+        assert len(tm["reshard_ms"]) == 1 and tm["reshard_median_ms"] > 0
+        assert tm["device_put_median_ms"] > 0 and tm["device_put_error"] is None
+    shrink = out["scenarios"][2]
+    assert shrink["lost_devices"] == [6, 7]
+    assert all(shrink["stats"]["send_bytes"].get(str(d), 0) == 0 for d in (6, 7))
+    # The relayout keeps what is already in place; the disjoint one cannot.
+    assert out["scenarios"][1]["stats"]["bytes_kept"] > 0
+    assert out["scenarios"][0]["stats"]["bytes_kept"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_demo_human_output_is_plain_when_piped() -> None:
+    res = run_cli("demo", "--devices", "4", "--size-mb", "2", "--repeats", "1", timeout=100)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "\x1b[" not in out  # no colour codes in a pipe
+    assert "4 simulated cpu devices" in out
+    assert out.count("verify  ok:") == 4
+    assert out.count("= the lower bound: optimal") == 4
+    assert "transfer matrix" in out and "summary" in out
+    for title in ("trainer -> sampler", "relayout", "shrink 4 -> 3", "regrow 3 -> 4"):
+        assert title in out
+    # The heatmap of the disjoint scenario: source rows 0, 1 and columns 2, 3.
+    assert "src\\dst  2 3" in out
+
+
+@pytest.mark.timeout(240)
+def test_demo_processes() -> None:
+    available = all(
+        importlib.util.find_spec(m) is not None
+        for m in ("reshard._launch", "reshard._collective_executor")
+    )
+    args = ("demo", "--processes", "2", "--size-mb", "2", "--repeats", "1")
+    if not available:
+        res = run_cli(*args)
+        assert res.returncode == 2 and "not available" in res.stderr
+        return
+    out = run_json(*args, timeout=220, RESHARD_DEMO_TIMEOUT_S="180")
+    assert out["processes"] == 2 and out["devices"] == 8
+    for sc in out["scenarios"]:
+        assert sc["executor"] == "collective"
+        assert sc["verify"]["ok"], sc["verify"]["problems"]
+        check_report(sc)
+        assert sc["timing"]["device_put_skipped"]
+
+
+def test_demo_processes_unavailable_is_a_clean_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *a: Any) -> Any:
+        return None if name == "reshard._collective_executor" else real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert _cli.main(["demo", "--processes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--processes is not available in this build yet" in err
+    assert "the collective executor" in err
+
+
+# ----------------------------------------------------------------------------------
+# plan
+# ----------------------------------------------------------------------------------
+
+
+def test_plan_json_matches_real_shardings() -> None:
+    """Synthetic ids give exactly the plan of the same shardings on real devices."""
+    ids = [7, 6, 5, 4, 3, 2, 1, 0]
+    out = run_json(
+        "plan", "--shape", "64,96", "--dtype", "float32",
+        "--src-mesh", "2x4", "--src-axes", "data,model", "--src-spec", "data,model",
+        "--dst-mesh", "2x2x2", "--dst-axes", "a,b,c", "--dst-spec", "a+b,c",
+        "--dst-devices", ",".join(map(str, ids)), "--pieces",
+    )  # fmt: skip
+    devs = jax.devices()[:8]
+    src = NamedSharding(Mesh(np.array(devs).reshape(2, 4), ("data", "model")), P("data", "model"))
+    dst_mesh = Mesh(np.array([devs[i] for i in ids]).reshape(2, 2, 2), ("a", "b", "c"))
+    dst = NamedSharding(dst_mesh, P(("a", "b"), "c"))
+    plan = reshard.plan(jax.ShapeDtypeStruct((64, 96), np.float32, sharding=src), dst, cache=False)
+    assert out["stats"] == roundtrip(plan.stats.as_dict())
+    check_report(out)
+    check_matrix_equals_library(out, plan)
+    want = sorted(map(json.dumps, plan.to_dict()["leaves"][0]["pieces"]))
+    got = sorted(map(json.dumps, out["leaves"][0]["pieces"]))
+    assert got == want
+    assert sum(p["bytes"] for p in out["leaves"][0]["pieces"]) == out["stats"]["bytes_moved"]
+    assert out["destination"]["spec"] == [["a", "b"], "c"]
+
+
+def test_plan_avoid_reads_surviving_replicas_only() -> None:
+    out = run_json(
+        "plan", "--shape", "1024,1024", "--src-mesh", "2x4", "--src-spec", "None,model",
+        "--dst-mesh", "4", "--dst-axes", "x", "--dst-devices", "4-7", "--avoid", "0-3",
+    )  # fmt: skip
+    check_report(out)
+    assert out["avoid"] == [0, 1, 2, 3]
+    assert all(out["stats"]["send_bytes"].get(str(d), 0) == 0 for d in range(4))
+    devs = jax.devices()[:8]
+    src = NamedSharding(Mesh(np.array(devs).reshape(2, 4), ("data", "model")), P(None, "model"))
+    dst = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), P("x"))
+    sds = jax.ShapeDtypeStruct((1024, 1024), jax.numpy.bfloat16, sharding=src)
+    plan = reshard.plan(sds, dst, avoid_devices=range(4), cache=False)
+    assert out["stats"] == roundtrip(plan.stats.as_dict())
+
+
+def test_plan_data_loss_is_exit_1_with_one_clean_line() -> None:
+    args = ("plan", "--shape", "1024,1024", "--src-mesh", "2x4", "--dst-mesh", "4")
+    res = run_cli(*args, "--dst-axes", "x", "--avoid", "4-7")
+    assert res.returncode == 1 and res.stdout == ""
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data lost" in lines[0] and "[512:1024, 0:1024]" in lines[0]
+    out = json.loads(run_cli(*args, "--dst-axes", "x", "--avoid", "4-7", "--json").stdout)
+    assert out["error"] == "DataLossError"
+
+
+@pytest.mark.timeout(120)
+def test_plan_4096_to_3072_synthetic_devices() -> None:
+    args = (
+        "plan", "--shape", "12288,8192", "--dtype", "bfloat16",
+        "--src-mesh", "64x64", "--src-axes", "data,model", "--src-spec", "data,model",
+        "--src-devices", "0-4095",
+        "--dst-mesh", "48x64", "--dst-axes", "data,model", "--dst-spec", "data,model",
+        "--dst-devices", "4096-7167",
+    )  # fmt: skip
+    out = run_json(*args)
+    s = out["stats"]
+    # Disjoint device sets: every byte moves, and that is the lower bound.
+    assert s["bytes_moved"] == s["bytes_lower_bound"] == 12288 * 8192 * 2
+    assert len(s["send_bytes"]) == 4096 and len(s["recv_bytes"]) == 3072
+    assert set(s["send_bytes"].values()) == {12288 * 8192 * 2 // 4096}
+    assert len(out["matrix"]["src_blocks"]) == 32 and len(out["matrix"]["dst_blocks"]) == 32
+    check_report(out)
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    assert "per device (7,168 devices)" in res.stdout
+    assert "destination devices 4096-7167 in 32 block(s) of up to 96" in res.stdout
+    assert "= the lower bound: optimal" in res.stdout
+
+
+def test_plan_colours_only_on_a_terminal() -> None:
+    args = ("plan", "--shape", "64", "--src-mesh", "4", "--dst-mesh", "2")
+    assert "\x1b[" not in run_cli(*args).stdout
+    assert "\x1b[" in run_cli(*args, FORCE_COLOR="1").stdout
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["plan", "--shape", "10x", "--src-mesh", "2", "--dst-mesh", "2"], ["--shape", "e.g."]),
+        (["plan", "--src-mesh", "2", "--dst-mesh", "2"], ["required", "--shape"]),
+        (["plan", "--shape", "16", "--src-mesh", "2", "--src-devices", "0-3", "--dst-mesh", "2"],
+         ["--src-devices lists 4", "0-1"]),
+        (["plan", "--shape", "10", "--src-mesh", "3", "--dst-mesh", "2"], ["not divisible by 3"]),
+        (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--dtype", "floaty"],
+         ["not a dtype", "bfloat16"]),
+        (["plan", "--shape", "16", "--src-mesh", "2", "--src-spec", "foo", "--dst-mesh", "2"],
+         ["['foo']", "does not define"]),
+        (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--avoid", "1"],
+         ["destination uses"]),
+        (["plan", "--shape", "16", "--src-mesh", "2", "--src-devices", "3-1", "--dst-mesh", "2"],
+         ["inclusive ranges"]),
+        (["plan", "--shape", "16", "--src-mesh", "2x2", "--src-axes", "a", "--dst-mesh", "2"],
+         ["one name per mesh dimension"]),
+        (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--pieces"], ["--json"]),
+        (["demo", "--devices", "7"], ["even number"]),
+        (["demo", "--size-mb", "-1"], ["--size-mb", "> 0"]),
+        (["demo", "--devices", "6", "--processes", "4"], ["evenly"]),
+        (["bench", "--cases", "nope"], ["unknown case", "disjoint"]),
+        (["dmeo"], ["invalid choice", "demo"]),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_one_line_exit_2(args: list[str], needles: list[str]) -> None:
+    one_line_usage_error(run_cli(*args, timeout=60), *needles)
+
+
+def test_help_and_version() -> None:
+    res = run_cli("--help")
+    assert res.returncode == 0 and "demo" in res.stdout and "plan" in res.stdout
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"reshard {reshard.__version__}"
+
+
+# ----------------------------------------------------------------------------------
+# bench
+# ----------------------------------------------------------------------------------
+
+
+FAKE_SUITE = """
+import dataclasses
+
+SCENARIOS = ("alpha", "beta")
+SETUP = []
+
+def setup_devices(n):
+    SETUP.append(n)
+
+@dataclasses.dataclass
+class Row:
+    scenario: str
+    reshard_s: float
+    device_put_s: float
+    bytes_moved: int
+    options: str
+
+    def as_dict(self):
+        d = dataclasses.asdict(self)
+        d["vs_device_put"] = self.device_put_s / self.reshard_s
+        return d
+
+def run(scenarios=SCENARIOS, size_mb=300, reps=5, progress=None):
+    return [Row(s, 0.002, 0.005, 1 << 20, f"{size_mb},{reps},{SETUP}") for s in scenarios]
+"""
+
+
+def test_bench_runs_a_suite_and_prints_its_ratios(tmp_path: Path) -> None:
+    suite = tmp_path / "fake_suite.py"
+    suite.write_text(textwrap.dedent(FAKE_SUITE))
+    args = ("bench", "--size-mb", "7", "--repeats", "2", "--cases", "beta")
+    out = run_json(*args, RESHARD_BENCH_MODULE=str(suite))
+    assert out["suite"].endswith("fake_suite.py:run")
+    # Options reach the suite under its own names; devices were set up first.
+    assert out["rows"] == [
+        {
+            "scenario": "beta",
+            "reshard_s": 0.002,
+            "device_put_s": 0.005,
+            "bytes_moved": 1 << 20,
+            "options": "7.0,2,[8]",
+            "vs_device_put": 2.5,
+        }
+    ]
+    res = run_cli(*args, RESHARD_BENCH_MODULE=str(suite))
+    assert res.returncode == 0, res.stderr
+    assert "2.50x" in res.stdout and "2.0 ms" in res.stdout and "1.0 MiB" in res.stdout
+
+
+def test_bench_without_a_suite_exits_2() -> None:
+    res = run_cli("bench", RESHARD_BENCH_MODULE="no_such_bench_module_xyz")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "no_such_bench_module_xyz" in res.stderr and "no such module" in res.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(
+    importlib.util.find_spec("reshard._bench") is None, reason="no packaged benchmark suite"
+)
+def test_bench_real_suite_small() -> None:
+    out = run_json(
+        "bench", "--size-mb", SIZE_MB, "--repeats", "1", "--cases", "relayout", "--no-rss",
+        timeout=160,
+    )  # fmt: skip
+    assert out["suite"] == "reshard._bench:run"
+    (row,) = out["rows"]
+    assert row["scenario"] == "relayout"
+    assert 0 < row["bytes_moved"] <= row["dst_bytes"]
+    assert row["reshard_s"] > 0 and row["vs_device_put"] > 0
+    assert row["rss_rise_x"] is None  # --no-rss reached the suite
