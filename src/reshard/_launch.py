@@ -449,6 +449,10 @@ def initialize_from_env() -> None:
     jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS", "cpu"))
     jax.config.update("jax_num_cpu_devices", int(os.environ.get(ENV_DEVICES_PER_PROCESS, "1")))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # The preemption service installs a native SIGTERM handler that only logs, which
+    # would disarm our own (the launcher's SIGTERM and the parent-death signal must end
+    # the process group). Preemption notices mean nothing for local runs anyway.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=int(os.environ[ENV_NUM_PROCESSES]),
