@@ -55,17 +55,24 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     dst_shardings = [
         leaf.data_dst_sharding if leaf.kind == KEY else leaf.dst_sharding for _, leaf in planned
     ]
-    devmaps = [{d.id: d for d in s.device_set} for s in dst_shardings]
+    targets = plan._cache.get("targets")
+    if targets is None:
+        # Per planned array: (destination shard index, device) for this process's
+        # devices, in the sharding's own order.
+        targets = plan._cache["targets"] = [
+            [(job.dst_of[d.id], d) for d in _compat.addressable_devices(s)]
+            for job, s in zip(_jobs(plan), dst_shardings, strict=True)
+        ]
 
     if not planned:
         moved: list[jax.Array] = []
     elif plan.executor == "host":
-        moved = run_host(_jobs(plan), sources, dst_shardings, devmaps, may_alias=may_alias)
+        moved = run_host(_jobs(plan), sources, dst_shardings, targets, may_alias=may_alias)
     elif plan.executor == "device":
         program = plan._cache.get("device_program")
         if program is None:
             program = plan._cache["device_program"] = DeviceProgram(_jobs(plan))
-        moved = run_device(program, sources, dst_shardings, devmaps, may_alias=may_alias)
+        moved = run_device(program, sources, dst_shardings, targets, may_alias=may_alias)
     elif plan.executor == "collective":
         try:
             from ._collective_executor import run_collective

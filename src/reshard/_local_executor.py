@@ -17,8 +17,11 @@ exists, so a failure part-way loses no input.
 
 from __future__ import annotations
 
+import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +46,8 @@ class LeafJob:
     copies: tuple[tuple[Copy, ...], ...]  # per destination shard
     reused: dict[int, int]  # destination shard index -> source shard index
     dst_of: dict[int, int]  # destination device id -> destination shard index
+    shapes: tuple[tuple[int, ...], ...]  # per destination shard
+    nbytes: tuple[int, ...]  # per destination shard
 
     @staticmethod
     def build(lp: LeafPlan, dtype: np.dtype) -> LeafJob:
@@ -58,9 +63,11 @@ class LeafJob:
             full = relative_slices(box, box)
             per_dst[di].append((si, full, full))
         dst_of = {s.device: i for i, s in enumerate(spec.dst)}
-        return LeafJob(
-            lp, np.dtype(dtype), tuple(tuple(c) for c in per_dst), dict(lp.reused), dst_of
-        )
+        dt = np.dtype(dtype)
+        shapes = tuple(box_shape(s.box) for s in spec.dst)
+        nbytes = tuple(math.prod(sh) * dt.itemsize for sh in shapes)
+        copies = tuple(tuple(c) for c in per_dst)
+        return LeafJob(lp, dt, copies, dict(lp.reused), dst_of, shapes, nbytes)
 
 
 def _fill(
@@ -79,11 +86,32 @@ def _fill(
     return out
 
 
+# Shards below this size are carved out of one shared allocation per call: a
+# separate aligned allocation costs several microseconds, which dominates for trees
+# of many small leaves. Larger shards get their own memory, so freeing an output leaf
+# frees its big buffers.
+SMALL_SHARD_BYTES = 1 << 20
+# Copies of large shards run on a few threads: numpy releases the GIL while copying.
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="reshard-copy")
+    return _pool
+
+
+def _round64(n: int) -> int:
+    return (n + 63) & ~63
+
+
 def run_host(
     jobs: Sequence[LeafJob],
     sources: Sequence[jax.Array],
     shardings: Sequence[jax.sharding.Sharding],
-    devices: Sequence[dict[int, Any]],
+    targets: Sequence[Sequence[tuple[int, Any]]],
     *,
     may_alias: bool | None,
 ) -> list[jax.Array]:
@@ -93,31 +121,59 @@ def run_host(
       jobs: one per array, from ``LeafJob.build``.
       sources: the source arrays (key arrays already converted to their key data).
       shardings: destination sharding per array (of the key data for key arrays).
-      devices: per array, destination device id -> device object.
+      targets: per array, ``(destination shard index, device)`` for each device of
+        this process, in the order of the sharding's addressable devices.
       may_alias: whether an unchanged shard may be handed over without a copy.
     """
-    outs = []
-    for job, src, sharding, devmap in zip(jobs, sources, shardings, devices, strict=True):
+    alias = may_alias is not False
+    arena_bytes = 0
+    for job, tg in zip(jobs, targets, strict=True):
+        for di, _ in tg:
+            n = job.nbytes[di]
+            if n < SMALL_SHARD_BYTES and not (alias and di in job.reused):
+                arena_bytes += _round64(n)
+    arena = _compat.aligned_empty((arena_bytes,), np.dtype(np.uint8)) if arena_bytes else None
+    offset = 0
+    big: list[
+        tuple[np.ndarray, Sequence[Copy], dict[int, Any], Sequence[Any], dict[int, np.ndarray]]
+    ] = []
+    leaves: list[tuple[list[Any], list[Any]]] = []
+    for job, src, tg in zip(jobs, sources, targets, strict=True):
         spec = job.plan.spec
         bufs = _compat.device_buffers(src)
         views: dict[int, np.ndarray] = {}
-
         dst_bufs: list[Any] = []
         dst_devs: list[Any] = []
-        for d in _compat.addressable_devices(sharding):
-            di = job.dst_of[d.id]
+        for di, dev in tg:
             si = job.reused.get(di)
-            if si is not None and may_alias is not False:
+            if si is not None and alias:
                 dst_bufs.append(bufs[spec.src[si].device])
             else:
-                out = _compat.aligned_empty(box_shape(spec.dst[di].box), job.dtype)
-                dst_bufs.append(_fill(out, job.copies[di], bufs, spec.src, views))
-            dst_devs.append(devmap[d.id])
-        if any(isinstance(b, jax.Array) for b in dst_bufs) and not all(
-            isinstance(b, jax.Array) for b in dst_bufs
-        ):
+                n = job.nbytes[di]
+                shape = job.shapes[di]
+                if n < SMALL_SHARD_BYTES:
+                    assert arena is not None
+                    out = arena[offset : offset + n].view(job.dtype).reshape(shape)
+                    offset += _round64(n)
+                    _fill(out, job.copies[di], bufs, spec.src, views)
+                else:
+                    out = _compat.aligned_empty(shape, job.dtype)
+                    big.append((out, job.copies[di], bufs, spec.src, views))
+                dst_bufs.append(out)
+            dst_devs.append(dev)
+        leaves.append((dst_bufs, dst_devs))
+    if len(big) > 1 and COPY_THREADS > 1:
+        # One task per destination shard: no two tasks write the same memory.
+        list(_copy_pool().map(lambda args: _fill(*args), big))
+    else:
+        for args in big:
+            _fill(*args)
+    outs = []
+    for job, sharding, (dst_bufs, dst_devs) in zip(jobs, shardings, leaves, strict=True):
+        kinds = {isinstance(b, jax.Array) for b in dst_bufs}
+        if len(kinds) > 1:
             dst_bufs = _place_mixed(dst_bufs, dst_devs, sharding)
-        outs.append(_compat.assemble(spec.shape, job.dtype, sharding, dst_bufs, dst_devs))
+        outs.append(_compat.assemble(job.plan.spec.shape, job.dtype, sharding, dst_bufs, dst_devs))
     return outs
 
 
@@ -237,16 +293,19 @@ def run_device(
     program: DeviceProgram,
     sources: Sequence[jax.Array],
     shardings: Sequence[jax.sharding.Sharding],
-    devices: Sequence[dict[int, Any]],
+    placements: Sequence[Sequence[tuple[int, Any]]],
     *,
     may_alias: bool | None,
 ) -> list[jax.Array]:
-    """Executes with compiled slicing/assembly on the devices themselves."""
+    """Executes with compiled slicing/assembly on the devices themselves.
+
+    ``placements`` is per array what ``run_host`` calls ``targets``.
+    """
     jobs = program.jobs
     bufs = [_compat.device_buffers(s) for s in sources]
     alldevs: dict[int, Any] = {}
-    for dm in devices:
-        alldevs.update(dm)
+    for tg in placements:
+        alldevs.update((d.id, d) for _, d in tg)
     for s in sources:
         for d in _compat.addressable_devices(s.sharding):
             alldevs[d.id] = d
@@ -308,19 +367,18 @@ def run_device(
             built[(li, di)] = o
     # 4. Per array: move to the destination memory kind and put the shards together.
     results = []
-    for li, (job, sharding, devmap) in enumerate(zip(jobs, shardings, devices, strict=True)):
+    for li, (job, sharding, tg) in enumerate(zip(jobs, shardings, placements, strict=True)):
         spec = job.plan.spec
         parts: list[Any] = []
         devs = []
-        for d in _compat.addressable_devices(sharding):
-            di = job.dst_of[d.id]
+        for di, d in tg:
             si = job.reused.get(di)
             if si is not None:
                 b = bufs[li][spec.src[si].device]
                 parts.append(b if may_alias is not False else jnp.copy(b))
             else:
                 parts.append(built[(li, di)])
-            devs.append(devmap[d.id])
+            devs.append(d)
         mk = sharding.memory_kind
         fix = [i for i, p in enumerate(parts) if p.sharding.memory_kind != mk and mk is not None]
         if fix:
