@@ -271,6 +271,7 @@ def verify(out: Any, host: Any, dst: Any) -> dict[str, Any]:
     """
     import jax
 
+    from ._errors import format_box
     from ._geometry import box_from_index
 
     problems: list[str] = []
@@ -302,8 +303,14 @@ def verify(out: Any, host: Any, dst: Any) -> dict[str, Any]:
             a, b = np.asarray(s.data), h[s.index]
             # Compare bits, not values: NaN != NaN, and -0.0 == 0.0 would hide errors.
             unsigned = f"u{a.dtype.itemsize}"
-            if a.shape != b.shape or not np.array_equal(a.view(unsigned), b.view(unsigned)):
-                problems.append(f"{where}: device {dev.id} holds different values")
+            if a.shape != b.shape:
+                problems.append(f"{where}: device {dev.id} holds shape {a.shape}, not {b.shape}")
+            elif not np.array_equal(a.view(unsigned), b.view(unsigned)):
+                bad = int(np.count_nonzero(a.view(unsigned) != b.view(unsigned)))
+                problems.append(
+                    f"{where}: device {dev.id} holds different values ({bad} of {a.size} "
+                    f"elements of box {format_box(box)})"
+                )
             shards += 1
     return {
         "ok": not problems,
@@ -645,7 +652,12 @@ def render(console: Any, result: dict[str, Any]) -> None:
         console.print(_verify_line(sc["verify"]))
     console.print()
     table = Table(
-        title="summary", box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False
+        title="summary",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,  # seven columns must fit 80 characters when piped
     )
     for name in ("scenario", "moved", "optimal", "reshard", "device_put", "speed-up", "exact"):
         table.add_column(name, justify="left" if name == "scenario" else "right", no_wrap=True)
