@@ -32,6 +32,10 @@ from ._split import concatenate_by_mesh_axis as concatenate_by_mesh_axis
 from ._split import split_by_mesh_axis as split_by_mesh_axis
 
 # --- multi-controller (issue 4) ---
+from ._launch import LaunchError as LaunchError
+from ._launch import ProcessResult as ProcessResult
+from ._launch import initialize_from_env as initialize_from_env
+from ._launch import launch_local as launch_local
 
 # --- elastic (issue 5) ---
 from ._elastic import DeviceLossError as DeviceLossError

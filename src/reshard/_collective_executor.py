@@ -717,9 +717,12 @@ class CollectiveProgram:
             self.in_shapes = [(n * ch.nbytes,) for ch in self.chunks]
             self.in_dtypes = [np.dtype(np.uint8)] * len(self.chunks)
         else:
-            self.schedule = _device_rounds(copies, keep, self.dtypes, n)
+            # Sub-byte integers (int4) travel widened to 8 bits: XLA packs them two per
+            # byte inside programs but not in buffers made from host data, and an
+            # executable refuses arguments whose layout differs from its own.
+            self.in_dtypes = [_carrier(dt) for dt in self.dtypes]
+            self.schedule = _device_rounds(copies, keep, self.in_dtypes, n)
             self.in_shapes = [(n * lf.src_block[0], *lf.src_block[1:]) for lf in self.leaves]
-            self.in_dtypes = self.dtypes
         self._compiled: dict[int, Any] = {}
         self.send_buffers: dict[tuple[int, int], np.ndarray] = {}  # (chunk, device id)
         self.lock = threading.Lock()
@@ -779,13 +782,20 @@ class CollectiveProgram:
         cache_key = (device.id, tuple(leaves))
         fn = self._placeholder_fns.get(cache_key)
         if fn is None:
-            shapes = [(self.leaves[i].src_block, self.dtypes[i]) for i in leaves]
+            shapes = [(self.leaves[i].src_block, self.in_dtypes[i]) for i in leaves]
             fn = jax.jit(
                 lambda: tuple(jnp.zeros(s, d) for s, d in shapes),
                 out_shardings=tuple(SingleDeviceSharding(device) for _ in shapes),
             )
             self._placeholder_fns[cache_key] = fn
         return list(fn())
+
+
+def _carrier(dtype: np.dtype) -> np.dtype:
+    """The element type a device-packed program holds ``dtype`` in (int4 -> int8)."""
+    if jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8:
+        return np.dtype(np.int8 if jnp.issubdtype(dtype, jnp.signedinteger) else np.uint8)
+    return dtype
 
 
 def _compute_ready(a: jax.Array, device: Any) -> jax.Array:
@@ -811,6 +821,8 @@ def _block_inputs(program: CollectiveProgram, sources: Sequence[jax.Array]) -> l
             b = _compute_ready(b, d)
             if program.leaves[li].scalar:
                 b = b.reshape((1,))
+            if b.dtype != program.in_dtypes[li]:
+                b = b.astype(program.in_dtypes[li])
             blocks[d.id] = b
         per_leaf.append(blocks)
     for d in program.local_devices:
@@ -822,7 +834,7 @@ def _block_inputs(program: CollectiveProgram, sources: Sequence[jax.Array]) -> l
             program.in_shapes[li],
             program.block_sharding,
             [blocks[d.id] for d in program.local_devices],
-            dtype=program.dtypes[li],
+            dtype=program.in_dtypes[li],
         )
         for li, blocks in enumerate(per_leaf)
     ]
@@ -900,6 +912,8 @@ def _assemble(
             block = out_bufs[d.id]
             if program.leaves[li].scalar:
                 block = block.reshape(())
+            if block.dtype != program.dtypes[li]:
+                block = block.astype(program.dtypes[li])
             if mk is not None and block.sharding.memory_kind != mk:
                 block = jax.device_put(block, SingleDeviceSharding(d, memory_kind=mk))
             parts.append(block)

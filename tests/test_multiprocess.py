@@ -1,0 +1,353 @@
+"""Multi-controller resharding: several local JAX processes, checked on every process.
+
+Each test launches real processes (``reshard._launch.launch_local``: gloo collectives on
+127.0.0.1) that all run the same scenarios, as multi-controller JAX requires, and
+check, on every process, the values of its addressable shards against a numpy ground
+truth, the resulting sharding, the placement (exactly this process's destination
+devices hold shards) and the memory kind. A scenario that fails reports its traceback
+instead of stopping the others, so one launch covers many scenarios; the test then
+asserts every scenario passed on every process.
+
+Both packings of the collective executor run: host-packed (the CPU default) and
+device-packed (the accelerator path, forced here on CPU).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard._launch import launch_local
+
+HERE = f"{__file__}"
+MISMATCHES: list[str] = []  # failed checks of the running scenario (in a child)
+
+# --- runs inside every launched process ------------------------------------------
+
+
+def _ground_truth(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
+    """The same array on every process (derived from the seed, not from a process id)."""
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype) == np.bool_:
+        return rng.integers(0, 2, shape).astype(bool)
+    if np.issubdtype(np.dtype(dtype), np.complexfloating):
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    return rng.integers(-8, 8, shape).astype(dtype)
+
+
+def _scenarios() -> dict[str, Callable[[], None]]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+    from reshard import _collective_executor
+
+    devs = np.array(jax.devices())
+    n = len(devs)
+    me = jax.process_index()
+
+    def ns(devices: Any, axes: tuple[str, ...], spec: P, mk: str | None = None) -> Any:
+        return NamedSharding(Mesh(np.asarray(devices), axes), spec, memory_kind=mk)
+
+    def make(host: np.ndarray, sharding: Any) -> Any:
+        return jax.make_array_from_callback(
+            host.shape, sharding, lambda idx: host[idx], dtype=host.dtype
+        )
+
+    def check(y: Any, host: np.ndarray, dst: Any) -> None:
+        """Records mismatches instead of raising: a process that stopped half-way
+        through a scenario would call different collectives than its peers (a hang)."""
+        try:
+            # For a PRNG-key array, `host` is its key data (one more trailing dimension).
+            is_key = jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key)
+            want_shape = host.shape[:-1] if is_key else host.shape
+            assert y.shape == want_shape, (y.shape, want_shape)
+            assert y.sharding.is_equivalent_to(dst, y.ndim), (y.sharding, dst)
+            want = {d for d in dst.device_set if d.process_index == me}
+            got = {s.device for s in y.addressable_shards}
+            assert got == want, f"placement: shards on {got}, expected {want}"
+            for s in y.addressable_shards:
+                data = jax.random.key_data(s.data) if is_key else s.data
+                np.testing.assert_array_equal(np.asarray(data), host[s.index])
+                if dst.memory_kind is not None:
+                    assert s.data.sharding.memory_kind == dst.memory_kind
+        except AssertionError:
+            MISMATCHES.append(traceback.format_exc())
+
+    def move(host: np.ndarray, src: Any, dst: Any, **kw: Any) -> None:
+        x = make(host, src)
+        assert reshard.plan(x, dst).executor == "collective"
+        check(reshard.reshard(x, dst, **kw), host, dst)
+        check(x, host, src)  # the input is untouched
+
+    a = _ground_truth((48, 32), np.float32, 0)
+    half = n // 2
+
+    def disjoint() -> None:  # all of process 0's devices -> devices of the others
+        move(a, ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t")))
+
+    def overlapping() -> None:
+        src = ns(devs[1 : half + 1], ("f",), P("f"))
+        dst = ns(devs[half - 2 :].reshape(2, -1), ("d", "m"), P("m", "d"))
+        move(a, src, dst)
+
+    def shrink_8_to_6() -> None:  # 8 devices -> 6 of them, spanning every process
+        keep = [d for i, d in enumerate(devs) if i not in (1, n - 2)]
+        move(a, ns(devs, ("f",), P("f")), ns(keep, ("f",), P("f")))
+
+    def grow() -> None:
+        move(
+            a, ns(devs[2:6], ("f",), P(None, "f")), ns(devs.reshape(2, -1), ("d", "m"), P("d", "m"))
+        )
+
+    def replicated_sources() -> None:
+        move(a, ns(devs[:half], ("f",), P()), ns(devs[half:], ("t",), P("t")))
+        move(a, ns(devs.reshape(2, -1), ("r", "f"), P("f")), ns(devs[::-1], ("t",), P(None, "t")))
+
+    def same_devices_relayout() -> None:
+        move(a, ns(devs, ("f",), P("f")), ns(devs.reshape(2, -1), ("d", "m"), P("m", "d")))
+
+    def unchanged_shards_kept_or_copied() -> None:
+        sh = ns(devs, ("f",), P("f"))
+        move(a, sh, sh)
+        move(a, sh, sh, may_alias=False)
+
+    def no_union_device_on_some_processes() -> None:
+        move(a, ns(devs[:1], ("f",), P()), ns(devs[1:2], ("t",), P()))
+
+    def memory_kinds() -> None:
+        move(
+            a,
+            ns(devs[:half], ("f",), P("f"), "pinned_host"),
+            ns(devs[half:], ("t",), P(None, "t"), "device"),
+        )
+        move(
+            a,
+            ns(devs, ("f",), P("f"), "device"),
+            ns(devs[::-1], ("t",), P(None, "t"), "pinned_host"),
+        )
+
+    def pytree_of_dtypes_and_keys() -> None:
+        hosts = {
+            name: _ground_truth((16, 8), dt, seed)
+            for seed, (name, dt) in enumerate(
+                [
+                    ("f32", np.float32),
+                    ("bf16", jnp.bfloat16),
+                    ("f16", np.float16),
+                    ("i8", np.int8),
+                    ("u8", np.uint8),
+                    ("i32", np.int32),
+                    ("b", np.bool_),
+                    ("c64", np.complex64),
+                    ("i4", jnp.int4),
+                ]
+            )
+        }
+        src = ns(devs[:half], ("f",), P("f"))
+        dst = {
+            "arrays": ns(devs[::-1][:half], ("t",), P(None, "t")),
+            "scalar": ns(devs[-1:], ("t",), P()),
+            "keys": ns(devs[1:], ("t",), P()),
+        }
+        key_data = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(7), n)))
+        tree = {
+            "arrays": {k: make(h, src) for k, h in hosts.items()},
+            "scalar": make(np.asarray(3.5, np.float32), ns(devs[:1], ("f",), P())),
+            "keys": jax.random.wrap_key_data(make(key_data, src)),
+        }
+        out = reshard.reshard(tree, dst)
+        for k, h in hosts.items():
+            check(out["arrays"][k], h, dst["arrays"])
+        check(out["scalar"], np.asarray(3.5, np.float32), dst["scalar"])
+        assert jax.dtypes.issubdtype(out["keys"].dtype, jax.dtypes.prng_key)
+        check(out["keys"], key_data, dst["keys"])
+
+    def cached_plan_reuses_the_program() -> None:
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        x = make(a, src)
+        reshard.reshard(x, dst, cache_resharding_plans=True)
+        p = reshard.plan(x, dst)
+        programs = [
+            v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
+        ]
+        assert len(programs) == 1, p._cache.keys()
+        compiled = dict(programs[0]._compiled)
+        check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
+        assert programs[0]._compiled == compiled  # same executables, nothing recompiled
+
+    def donation_frees_sources_after_success() -> None:
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        x = make(a, src)
+        check(reshard.reshard(x, dst, donate=True), a, dst)
+        assert x.is_deleted()
+
+    def failure_leaves_inputs_intact() -> None:
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        x = make(a, src)
+        original = _collective_executor._finish
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected failure after the transfer")
+
+        # Every process fails at the same point, after all bytes moved.
+        _collective_executor._finish = broken
+        try:
+            reshard.reshard(x, dst, donate=True)
+            raise AssertionError("the injected failure did not surface")
+        except RuntimeError as e:
+            assert "injected failure" in str(e)
+        finally:
+            _collective_executor._finish = original
+        assert not x.is_deleted()
+        check(x, a, src)
+        check(reshard.reshard(x, dst, donate=True), a, dst)  # and it can be retried
+
+    return {
+        f.__name__: f
+        for f in (
+            disjoint,
+            overlapping,
+            shrink_8_to_6,
+            grow,
+            replicated_sources,
+            same_devices_relayout,
+            unchanged_shards_kept_or_copied,
+            no_union_device_on_some_processes,
+            memory_kinds,
+            pytree_of_dtypes_and_keys,
+            cached_plan_reuses_the_program,
+            donation_frees_sources_after_success,
+            failure_leaves_inputs_intact,
+        )
+    }
+
+
+def _run_scenarios(pack_on_host: bool) -> dict[str, str]:
+    """Runs every scenario in this process; returns name -> "ok" or the traceback."""
+    import jax
+
+    from reshard import _collective_executor
+
+    _collective_executor.PACK_ON_HOST = pack_on_host
+    assert jax.process_count() > 1
+    report = {}
+    for name, fn in _scenarios().items():
+        MISMATCHES.clear()
+        try:
+            fn()
+            report[name] = "\n".join(MISMATCHES) or "ok"
+        except Exception:
+            report[name] = traceback.format_exc()
+    return report
+
+
+# --- tests -------------------------------------------------------------------------
+
+SCENARIOS = [
+    "disjoint",
+    "overlapping",
+    "shrink_8_to_6",
+    "grow",
+    "replicated_sources",
+    "same_devices_relayout",
+    "unchanged_shards_kept_or_copied",
+    "no_union_device_on_some_processes",
+    "memory_kinds",
+    "pytree_of_dtypes_and_keys",
+    "cached_plan_reuses_the_program",
+    "donation_frees_sources_after_success",
+    "failure_leaves_inputs_intact",
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pack", ["host", "device"])
+@pytest.mark.parametrize("procs,devices", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+def test_every_scenario_on_every_process(procs: int, devices: int, pack: str) -> None:
+    results = launch_local(
+        f"{HERE}:_run_scenarios",
+        num_processes=procs,
+        devices_per_process=devices,
+        args=[pack == "host"],
+        timeout_s=120,
+    )
+    assert len(results) == procs
+    failures = []
+    for r in results:
+        assert sorted(r.value) == sorted(SCENARIOS), r.value.keys()
+        failures += [
+            f"process {r.process_id}, {name}:\n{tb}" for name, tb in r.value.items() if tb != "ok"
+        ]
+    assert not failures, "\n".join(failures)
+
+
+# --- in this process: the schedule, and the executor with one controller ----------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=0, max_size=60),
+)
+def test_color_edges_gives_permutations_in_max_degree_rounds(
+    edges: list[tuple[int, int]],
+) -> None:
+    from reshard._collective_executor import color_edges
+
+    colours = color_edges(edges)
+    assert len(colours) == len(edges)
+    senders = {(u, c) for (u, _), c in zip(edges, colours, strict=True)}
+    receivers = {(v, c) for (_, v), c in zip(edges, colours, strict=True)}
+    # A colour is a round: nobody sends twice or receives twice in it.
+    assert len(senders) == len(edges) and len(receivers) == len(edges)
+    degree = max(
+        [sum(1 for u, _ in edges if u == k) for k in range(7)]
+        + [sum(1 for _, v in edges if v == k) for k in range(7)]
+    )
+    assert set(colours) == set(range(degree))  # König: max degree rounds, no more
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])
+def test_collective_executor_in_one_process(
+    pack_on_host: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+    from reshard import _collective_executor
+
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    devs = np.array(jax.devices())
+    host = _ground_truth((48, 32), np.float32, 1)
+    cases = [
+        (
+            NamedSharding(Mesh(devs[:4], "f"), P("f")),
+            NamedSharding(Mesh(devs[4:], "t"), P(None, "t")),
+        ),
+        (NamedSharding(Mesh(devs, "f"), P("f")), NamedSharding(Mesh(devs[:6], "t"), P("t"))),
+        (
+            NamedSharding(Mesh(devs[:4], "f"), P(), memory_kind="pinned_host"),
+            NamedSharding(Mesh(devs.reshape(2, 4), ("d", "m")), P("m", "d")),
+        ),
+    ]
+    for src, dst in cases:
+        x = jax.device_put(host, src)
+        p = reshard.plan(x, dst, executor="collective")
+        assert p.executor == "collective"
+        y = p.execute(x)
+        assert y.sharding == dst
+        for s in y.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(s.data), host[s.index])
+        assert {s.device for s in y.addressable_shards} == set(dst.device_set)
+        np.testing.assert_array_equal(np.asarray(x), host)  # input untouched
