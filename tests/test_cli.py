@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
-from reshard import _cli, _cli_demo
+from reshard import _cli, _cli_scenarios
 
 SIZE_MB = "4"
 
@@ -102,16 +102,16 @@ def one_line_usage_error(res: subprocess.CompletedProcess[str], *needles: str) -
 
 def _library_plans(size_mb: float) -> dict[str, reshard.Plan]:
     """The demo's scenarios planned here, from avals and shardings only."""
-    tree, _ = _cli_demo.model_tree(size_mb, 8)
+    tree, _ = _cli_scenarios.model_tree(size_mb, 8)
     plans = {}
-    for sc in _cli_demo.scenarios(jax.devices()[:8]):
-        src = _cli_demo._shardings(tree, sc.src_mesh, sc.src_style)
-        dst = _cli_demo._shardings(tree, sc.dst_mesh, sc.dst_style)
+    for sc in _cli_scenarios.scenarios(jax.devices()[:8]):
+        src = _cli_scenarios._shardings(tree, sc.src_mesh, sc.src_style)
+        dst = _cli_scenarios._shardings(tree, sc.dst_mesh, sc.dst_style)
         avals = jax.tree.map(
             lambda p, s: jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype), sharding=s),
             tree,
             src,
-            is_leaf=_cli_demo._is_param,
+            is_leaf=_cli_scenarios._is_param,
         )
         plans[sc.key] = reshard.plan(avals, dst, avoid_devices=[d.id for d in sc.lost], cache=False)
     return plans
