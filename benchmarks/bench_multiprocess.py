@@ -21,6 +21,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -47,6 +48,14 @@ def llm_tree_shapes(full: bool) -> dict[str, tuple[tuple[int, ...], str]]:
     return shapes
 
 
+def _index(host: np.ndarray, idx: Any) -> np.ndarray:
+    return host[idx]
+
+
+def _ones(n: int, idx: Any) -> np.ndarray:
+    return np.ones(n, np.uint8)
+
+
 def _sync() -> None:
     """All processes reach this point before the clock starts."""
     from jax.experimental import multihost_utils
@@ -71,6 +80,57 @@ def _time(fn: Any, reps: int) -> list[float]:
     return times
 
 
+def _tree(full: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The source tree on the first half of the devices, and the destination shardings."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devs = np.array(jax.devices())
+    half = len(devs) // 2
+    src_mesh, dst_mesh = Mesh(devs[:half], ("fsdp",)), Mesh(devs[half:], ("tp",))
+    tree: dict[str, Any] = {}
+    dst: dict[str, Any] = {}
+    for path, (shape, dtype) in llm_tree_shapes(full).items():
+        src_sh = NamedSharding(src_mesh, P("fsdp") if len(shape) == 2 else P())
+        dst[path] = NamedSharding(dst_mesh, P(None, "tp") if len(shape) == 2 else P())
+        host = (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
+        tree[path] = jax.make_array_from_callback(
+            shape, src_sh, functools.partial(_index, host), dtype=host.dtype
+        )
+    return tree, dst
+
+
+def _verify(out: dict[str, Any], full: bool) -> None:
+    """Every destination shard this process holds equals the ground truth."""
+    for path, (shape, dtype) in llm_tree_shapes(full).items():
+        host = (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
+        for s in out[path].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(s.data), host[s.index])
+
+
+def worker_single(full: bool, reps: int) -> dict[str, Any]:
+    """One process, 8 devices: the collective executor against the local one."""
+    import jax
+
+    import reshard
+    from reshard import _collective_executor
+
+    tree, dst = _tree(full)
+    times: dict[str, list[float]] = {}
+    for name, executor, pack in (
+        ("local executor (host)", "host", None),
+        ("collective, host-packed", "collective", True),
+        ("collective, device-packed", "collective", False),
+    ):
+        _collective_executor.PACK_ON_HOST = pack
+        p = reshard.plan(tree, dst, executor=executor)
+        _verify(p.execute(tree), full)
+        times[name] = _time(lambda p=p: p.execute(tree), reps)
+    times["jax.device_put"] = _time(lambda: jax.device_put(tree, dst), reps)
+    return {"times": times, "bytes_moved": reshard.plan(tree, dst).stats.bytes_moved}
+
+
 def worker(full: bool, reps: int) -> dict[str, Any]:
     """Runs in each launched process; returns this process's timings."""
     import jax
@@ -81,26 +141,10 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
 
     devs = np.array(jax.devices())
     half = len(devs) // 2
-    src_mesh, dst_mesh = Mesh(devs[:half], ("fsdp",)), Mesh(devs[half:], ("tp",))
-    tree: dict[str, jax.Array] = {}
-    dst: dict[str, NamedSharding] = {}
-    for path, (shape, dtype) in llm_tree_shapes(full).items():
-        src_sh = NamedSharding(src_mesh, P("fsdp") if len(shape) == 2 else P())
-        dst[path] = NamedSharding(dst_mesh, P(None, "tp") if len(shape) == 2 else P())
-        host = (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
-        tree[path] = jax.make_array_from_callback(
-            shape, src_sh, lambda idx, h=host: h[idx], dtype=host.dtype
-        )
+    tree, dst = _tree(full)
     p = reshard.plan(tree, dst, executor="collective")
     moved = p.stats.bytes_moved
-
-    # Correctness once, on this process's destination shards.
-    out = p.execute(tree)
-    for path, (shape, dtype) in llm_tree_shapes(full).items():
-        host = (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
-        for s in out[path].addressable_shards:
-            np.testing.assert_array_equal(np.asarray(s.data), host[s.index])
-    del out
+    _verify(p.execute(tree), full)  # correctness once, on this process's shards
 
     # The floor: the same bytes in plain ppermutes, each of process 0's devices to one
     # device of process 1. Over gloo one huge buffer is slower than a few chunks, so
@@ -116,7 +160,7 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
             jax.make_array_from_callback(
                 (len(devs) * n,),
                 NamedSharding(union, P("r")),
-                lambda idx, n=n: np.ones(n, np.uint8),
+                functools.partial(_ones, n),
                 dtype=np.uint8,
             )
             for _ in range(chunks)
@@ -148,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="~290 MB tree instead of ~40 MB")
     parser.add_argument("--reps", type=int, default=5, help="timed runs per method")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the launch")
+    parser.add_argument(
+        "--no-single",
+        dest="single",
+        action="store_false",
+        help="skip the one-process table (collective vs local executor)",
+    )
     args = parser.parse_args(argv)
 
     from reshard._launch import launch_local
@@ -182,6 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, t in rows:
         print(f"{name:<34}{t * 1e3:>10.1f}{mb / t:>8.0f}{t / floor:>10.2f}")
     print(f"floor = fastest ppermute row; target: reshard within 1.5x (got {ours / floor:.2f}x)")
+    if args.single:
+        (one,) = launch_local(
+            f"{__file__}:worker_single",
+            num_processes=1,
+            devices_per_process=8,
+            args=[args.full, args.reps],
+            timeout_s=args.timeout,
+        )
+        times = {k: statistics.median(ts) for k, ts in one.value["times"].items()}
+        local = times["local executor (host)"]
+        mb = one.value["bytes_moved"] / 2**20
+        print(f"\n1 process x 8 CPU devices, same tree and reshard, {mb:.0f} MiB moved")
+        print(f"{'method':<34}{'median ms':>10}{'MiB/s':>8}{'vs local':>10}")
+        for name, t in times.items():
+            print(f"{name:<34}{t * 1e3:>10.1f}{mb / t:>8.0f}{t / local:>10.2f}")
     return 0
 
 

@@ -43,7 +43,7 @@ def _target_topology(tag: str) -> dict[str, Any]:
         "process_count": jax.process_count(),
         "device_count": jax.device_count(),
         "local_device_ids": [d.id for d in jax.local_devices()],
-        "collectives": jax.config.jax_cpu_collectives_implementation,
+        "collectives": jax.config.jax_cpu_collectives_implementation,  # type: ignore[attr-defined]
     }
 
 

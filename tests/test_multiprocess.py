@@ -250,7 +250,56 @@ def _run_scenarios(pack_on_host: bool) -> dict[str, str]:
     return report
 
 
+def _reshard_until_killed(victim: int, kill_at: int) -> int:
+    """Reshards back and forth across processes; process ``victim`` dies mid-way."""
+    import os
+    import signal
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+
+    devs = np.array(jax.devices())
+    half = len(devs) // 2
+    a = NamedSharding(Mesh(devs[:half], ("f",)), P("f"))
+    b = NamedSharding(Mesh(devs[half:], ("t",)), P(None, "t"))
+    host = _ground_truth((48, 48), np.float32, 3)
+    x = jax.make_array_from_callback(host.shape, a, lambda idx: host[idx], dtype=host.dtype)
+    for i in range(10_000):
+        if i == kill_at and jax.process_index() == victim:
+            print("dying now", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = reshard.reshard(x, b if i % 2 == 0 else a, cache_resharding_plans=True)
+        jax.block_until_ready(x)
+    return i
+
+
 # --- tests -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_process_killed_mid_reshard_fails_the_others_in_bounded_time() -> None:
+    # A long grace period: the survivors must fail on their own (broken gloo
+    # connection or heartbeat), not be killed by the launcher.
+    results = launch_local(
+        f"{HERE}:_reshard_until_killed",
+        num_processes=3,
+        devices_per_process=2,
+        args=[1, 20],
+        check=False,
+        heartbeat_timeout_s=5,
+        peer_failure_grace_s=60,
+        timeout_s=100,
+    )
+    dead = results[1]
+    assert dead.returncode == -9 and "dying now" in dead.stdout, dead.describe()
+    for r in (results[0], results[2]):
+        assert not r.ok and not r.terminated, r.describe()
+        assert r.duration_s - dead.duration_s < 30, [x.describe() for x in results]
+        assert ("Gloo" in r.stderr) or ("detected fatal errors" in r.stderr), r.stderr[-2000:]
+
 
 SCENARIOS = [
     "disjoint",

@@ -40,10 +40,13 @@ output exists, so a failure leaves the inputs intact.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +69,10 @@ CHUNK_BYTES = 8 * 2**20
 # device each, so packing, the network and unpacking overlap.
 STAGE_BYTES = 4 * 2**20
 _ALIGN = 64  # byte offset alignment of pieces in a packed buffer
+# Host-side copies (packing, unpacking, same-process pieces) run on a few threads.
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+_THREADED_COPY_BYTES = 1 << 20
 # None: pack on the host when every device is a CPU. Tests set True/False to force one.
 PACK_ON_HOST: bool | None = None
 
@@ -355,13 +362,6 @@ def _slices(start: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    """``a`` viewed as unsigned integers of its item size: copies are bitwise anyway,
-    and numpy copies custom dtypes (``bfloat16``, ``int4``) several times slower."""
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(a.dtype.itemsize)
-    return a.view(unsigned) if unsigned is not None and a.dtype != unsigned else a
-
-
 def _run_host_packed(
     program: CollectiveProgram, sources: Sequence[jax.Array], shardings: Sequence[Any]
 ) -> list[jax.Array]:
@@ -371,12 +371,16 @@ def _run_host_packed(
     views: dict[tuple[int, int], np.ndarray] = {}
     me = jax.process_index()
 
+    # Zero-copy views of this process's source shards, made up front: the copy
+    # threads below only read them.
+    for li, b in enumerate(bufs):
+        for dev_id, a in b.items():
+            if dev_id in position:
+                v = np.asarray(a).reshape(program.leaves[li].src_block)
+                views[(li, position[dev_id])] = v
+
     def source_view(li: int, pos: int) -> np.ndarray:
-        v = views.get((li, pos))
-        if v is None:  # zero-copy on CPU
-            v = np.asarray(bufs[li][devices[pos].id]).reshape(program.leaves[li].src_block)
-            v = views[(li, pos)] = _bits(v)
-        return v
+        return views[(li, pos)]
 
     # Destination shards this process builds (not handed over), written once each.
     outs: dict[tuple[int, int], np.ndarray] = {}
@@ -387,11 +391,17 @@ def _run_host_packed(
                 outs[(li, pos)] = _compat.aligned_empty(
                     program.leaves[li].dst_block, program.dtypes[li]
                 )
-    out_bits = {k: _bits(v) for k, v in outs.items()}
+
+    def fill(buf: np.ndarray, items: Sequence[tuple[_Copy, int]]) -> None:
+        for (li, s, _, shape, s0, _), off in items:
+            src = source_view(li, s)
+            n = math.prod(shape) * src.itemsize
+            buf[off : off + n].view(src.dtype).reshape(shape)[...] = src[_slices(s0, shape)]
 
     def pack(ci: int) -> jax.Array:
         ch = program.chunks[ci]
         data = []
+        tasks: list[tuple[int, Callable[[], None]]] = []
         for d in program.local_devices:
             items = ch.sends.get(position[d.id], ())
             # Send buffers are kept between runs: fresh memory costs a page fault per
@@ -401,11 +411,9 @@ def _run_host_packed(
                 buf = _compat.aligned_empty((ch.nbytes,), np.dtype(np.uint8))
                 if items:
                     program.send_buffers[(ci, d.id)] = buf
-            for (li, s, _, shape, s0, _), off in items:
-                src = source_view(li, s)
-                n = math.prod(shape) * src.itemsize
-                buf[off : off + n].view(src.dtype).reshape(shape)[...] = src[_slices(s0, shape)]
+            tasks.append((ch.nbytes, functools.partial(fill, buf, items)))
             data.append(buf)
+        _run_all(tasks)
         return _compat.assemble(
             (len(devices) * ch.nbytes,),
             np.dtype(np.uint8),
@@ -414,16 +422,29 @@ def _run_host_packed(
             program.local_devices,
         )
 
+    def take(raw: np.ndarray, out: np.ndarray, items: Sequence[tuple[int, _Copy]]) -> None:
+        for off, (_, _, _, shape, _, d0) in items:
+            n = math.prod(shape) * out.itemsize
+            out[_slices(d0, shape)] = raw[off : off + n].view(out.dtype).reshape(shape)
+
     def unpack(ci: int, received: jax.Array) -> None:
         raw_of = _compat.device_buffers(received)
         raws: dict[int, np.ndarray] = {}
-        for li, pos, off, (_, _, _, shape, _, d0) in program.unpack[ci]:
-            raw = raws.get(pos)
-            if raw is None:  # zero-copy view; waits for the transfer
-                raw = raws[pos] = np.asarray(raw_of[devices[pos].id])
-            out = out_bits[(li, pos)]
-            n = math.prod(shape) * out.itemsize
-            out[_slices(d0, shape)] = raw[off : off + n].view(out.dtype).reshape(shape)
+        per_shard: dict[tuple[int, int], list[tuple[int, _Copy]]] = defaultdict(list)
+        for li, pos, off, cp in program.unpack[ci]:
+            if pos not in raws:  # zero-copy view; waits for the transfer
+                raws[pos] = np.asarray(raw_of[devices[pos].id])
+            per_shard[(li, pos)].append((off, cp))
+        # One task per destination shard: no two tasks write the same memory.
+        _run_all(
+            [
+                (
+                    outs[(li, pos)].nbytes,
+                    functools.partial(take, raws[pos], outs[(li, pos)], items),
+                )
+                for (li, pos), items in per_shard.items()
+            ]
+        )
 
     if program.local_devices and program.stages:
         # Runs of one program share its send buffers: one at a time.
@@ -445,10 +466,19 @@ def _run_host_packed(
             # Send buffers are reused by the next run: every transfer must be over (a
             # process that only sends does not otherwise wait for them).
             jax.block_until_ready(every)
-    # Copies within this process need no network.
-    for (li, pos), out in out_bits.items():
-        for _, s, _, shape, s0, d0 in program.local_copies[li].get(pos, ()):
+
+    def copy_local(out: np.ndarray, copies: Sequence[_Copy]) -> None:
+        for li, s, _, shape, s0, d0 in copies:
             out[_slices(d0, shape)] = source_view(li, s)[_slices(s0, shape)]
+
+    # Copies within this process need no network.
+    _run_all(
+        [
+            (out.nbytes, functools.partial(copy_local, out, program.local_copies[li][pos]))
+            for (li, pos), out in outs.items()
+            if pos in program.local_copies[li]
+        ]
+    )
 
     arrays = []
     for li, sharding in enumerate(shardings):
@@ -467,6 +497,29 @@ def _run_host_packed(
             devs.append(d)
         arrays.append(_finish(program.leaf_plans[li], program.dtypes[li], sharding, parts, devs))
     return arrays
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="reshard-collective-copy")
+    return _pool
+
+
+def _run_all(tasks: Sequence[tuple[int, Callable[[], None]]]) -> None:
+    """Runs ``(bytes, copy task)``s: large ones on a few threads (numpy releases the GIL
+    while copying, and first-touch page faults of fresh memory then happen in parallel
+    too), small ones right here (a thread hand-off costs more than they do)."""
+    big = [t for n, t in tasks if n >= _THREADED_COPY_BYTES]
+    pending = [_copy_pool().submit(t) for t in big] if len(big) > 1 and COPY_THREADS > 1 else []
+    if not pending:
+        for t in big:
+            t()
+    for n, t in tasks:
+        if n < _THREADED_COPY_BYTES:
+            t()
+    for f in pending:
+        f.result()
 
 
 def _finish(
@@ -690,6 +743,7 @@ class CollectiveProgram:
         self.host_packed = pack_on_host
         n = len(ids)
         self.schedule: list[_Round] = []
+        self.in_shapes: list[tuple[int, ...]] = []
         self.chunks: list[_Chunk] = []
         self.local_copies: list[dict[int, list[_Copy]]] = [{} for _ in leaf_plans]
         self.unpack: list[list[tuple[int, int, int, _Copy]]] = []
