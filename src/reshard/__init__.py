@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 from ._api import clear_plan_cache as clear_plan_cache
 from ._api import plan as plan
 from ._api import reshard as reshard
+from ._buffers import release_host_buffers as release_host_buffers
 from ._errors import DataLossError as DataLossError
 from ._plan import Plan as Plan
 from ._planner import PlanStats as PlanStats

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
+from ._buffers import POOL, host_empty
 from ._geometry import Box, box_shape, relative_slices
 from ._planner import LeafPlan
 
@@ -132,7 +133,7 @@ def run_host(
             n = job.nbytes[di]
             if n < SMALL_SHARD_BYTES and not (alias and di in job.reused):
                 arena_bytes += _round64(n)
-    arena = _compat.aligned_empty((arena_bytes,), np.dtype(np.uint8)) if arena_bytes else None
+    arena = POOL.take(arena_bytes) if arena_bytes else None
     offset = 0
     big: list[
         tuple[np.ndarray, Sequence[Copy], dict[int, Any], Sequence[Any], dict[int, np.ndarray]]
@@ -157,7 +158,7 @@ def run_host(
                     offset += _round64(n)
                     _fill(out, job.copies[di], bufs, spec.src, views)
                 else:
-                    out = _compat.aligned_empty(shape, job.dtype)
+                    out = host_empty(shape, job.dtype)
                     big.append((out, job.copies[di], bufs, spec.src, views))
                 dst_bufs.append(out)
             dst_devs.append(dev)
