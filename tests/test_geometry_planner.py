@@ -249,3 +249,18 @@ def test_shrinking_data_axis_on_synthetic_devices():
     leaf = synthetic_leaf("w", (8192, 1024), 2, src, dst)
     (lp,), stats = plan_leaves([leaf])
     assert stats.bytes_moved == 0 and len(lp.reused) == 3072
+
+
+def test_stats_of_distinct_leaves_with_nothing_to_move():
+    # Regression: two leaves that move nothing must still count their own bytes.
+    a = spec_of((8,), [(0, "device", 0, ((0, 8),))], [(0, "device", 0, ((0, 8),))])
+    b = spec_of(
+        (2, 3),
+        [(1, "device", 0, ((0, 2), (0, 3)))],
+        [(1, "device", 0, ((0, 2), (0, 3)))],
+        itemsize=2,
+    )
+    _, stats = plan_leaves([a, b, a])
+    assert stats.array_bytes == 8 * 4 + 6 * 2 + 8 * 4
+    assert stats.bytes_kept == stats.bytes_total == stats.array_bytes
+    assert stats.bytes_moved == 0 and stats.peak_extra_bytes == {}

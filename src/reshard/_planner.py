@@ -350,14 +350,14 @@ def plan_leaves(
         reps[li] if rep_of[li] == li else dataclasses.replace(reps[rep_of[li]], spec=spec)
         for li, spec in enumerate(leaves)
     )
-    return plans, _stats(plans)
+    return plans, _stats(plans, rep_of)
 
 
 def _neg_bytes(request: tuple[int, int, int, Box, tuple[int, ...]]) -> int:
     return request[0]
 
 
-def _stats(plans: Sequence[LeafPlan]) -> PlanStats:
+def _stats(plans: Sequence[LeafPlan], rep_of: Sequence[int]) -> PlanStats:
     send: dict[int, int] = defaultdict(int)
     recv: dict[int, int] = defaultdict(int)
     peak: dict[int, int] = defaultdict(int)
@@ -365,12 +365,11 @@ def _stats(plans: Sequence[LeafPlan]) -> PlanStats:
     memo: dict[
         tuple[int, int], tuple[list[int], dict[int, int], dict[int, int], dict[int, int]]
     ] = {}
-    for lp in plans:
+    for li, lp in enumerate(plans):
         # Leaves sharing a representative's pieces share its numbers too.
-        key = (id(lp.moved), id(lp.kept))
-        hit = memo.get(key)
+        hit = memo.get(rep_of[li])
         if hit is None:
-            hit = memo[key] = _leaf_stats(lp)
+            hit = memo[rep_of[li]] = _leaf_stats(lp)
         nums, s, r, p = hit
         for i, v in enumerate(nums):
             totals[i] += v
