@@ -63,20 +63,22 @@ def _sync() -> None:
     multihost_utils.sync_global_devices("bench")
 
 
-def _time(fn: Any, reps: int) -> list[float]:
+def _time(fns: dict[str, Any], reps: int) -> dict[str, list[float]]:
+    """Seconds per call of each function, interleaved: every rep times each function
+    once, so a change in machine load hits all of them alike (this machine is shared)."""
     import jax
 
-    out = fn()  # warm-up: compiles and caches
-    jax.block_until_ready(out)
-    del out
-    times = []
+    for fn in fns.values():  # warm-up: compiles and caches
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        _sync()
-        t0 = time.perf_counter()
-        out = fn()
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-        del out
+        for name, fn in fns.items():
+            _sync()
+            t0 = time.perf_counter()
+            out = fn()
+            jax.block_until_ready(out)
+            times[name].append(time.perf_counter() - t0)
+            del out
     return times
 
 
@@ -126,8 +128,8 @@ def worker_single(full: bool, reps: int) -> dict[str, Any]:
         _collective_executor.PACK_ON_HOST = pack
         p = reshard.plan(tree, dst, executor=executor)
         _verify(p.execute(tree), full)
-        times[name] = _time(lambda p=p: p.execute(tree), reps)
-    times["jax.device_put"] = _time(lambda: jax.device_put(tree, dst), reps)
+        times.update(_time({name: functools.partial(p.execute, tree)}, reps))
+    times.update(_time({"jax.device_put": lambda: jax.device_put(tree, dst)}, reps))
     return {"times": times, "bytes_moved": reshard.plan(tree, dst).stats.bytes_moved}
 
 
@@ -152,7 +154,7 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
     union = Mesh(devs, ("r",))
     per_device = moved // half  # bytes each of process 0's devices sends
     pairs = [(i, i + half) for i in range(half)]
-    floors: dict[str, list[float]] = {}
+    fns: dict[str, Any] = {}
     for chunks in FLOOR_CHUNKS:
         # Separate input buffers, returned as they arrive: nothing but the network.
         n = -(-per_device // chunks)
@@ -173,9 +175,11 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
                 out_specs=P("r"),
             )
         )
-        floors[str(chunks)] = _time(lambda fn=fn, bufs=bufs: fn(*bufs), reps)
-        del bufs
-    reshard_t = _time(lambda: reshard.reshard(tree, dst, cache_resharding_plans=True), reps)
+        fns[str(chunks)] = functools.partial(fn, *bufs)
+    fns["reshard"] = lambda: reshard.reshard(tree, dst, cache_resharding_plans=True)
+    times = _time(fns, reps)
+    reshard_t = times.pop("reshard")
+    floors = times
     program = next(v for v in p._cache.values() if hasattr(v, "collectives"))
     return {
         "bytes_moved": moved,
@@ -190,7 +194,7 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="~290 MB tree instead of ~40 MB")
-    parser.add_argument("--reps", type=int, default=5, help="timed runs per method")
+    parser.add_argument("--reps", type=int, default=7, help="timed runs per method")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the launch")
     parser.add_argument(
         "--no-single",
