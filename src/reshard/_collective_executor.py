@@ -57,6 +57,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from . import _compat
+from ._buffers import host_empty
 from ._geometry import Box, box_shape
 from ._planner import LeafPlan
 
@@ -72,6 +73,7 @@ _ALIGN = 64  # byte offset alignment of pieces in a packed buffer
 # Host-side copies (packing, unpacking, same-process pieces) run on a few threads.
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
+_unpacker: ThreadPoolExecutor | None = None
 _THREADED_COPY_BYTES = 1 << 20
 # None: pack on the host when every device is a CPU. Tests set True/False to force one.
 PACK_ON_HOST: bool | None = None
@@ -388,9 +390,9 @@ def _run_host_packed(
         for d in _compat.ordered_devices(sharding):
             pos = position[d.id]
             if d.process_index == me and pos not in program.reused[li]:
-                outs[(li, pos)] = _compat.aligned_empty(
-                    program.leaves[li].dst_block, program.dtypes[li]
-                )
+                # From the pool of warm blocks: fresh memory costs a page fault per
+                # 4 KiB, about as much as the copy into it.
+                outs[(li, pos)] = host_empty(program.leaves[li].dst_block, program.dtypes[li])
 
     def fill(buf: np.ndarray, items: Sequence[tuple[_Copy, int]]) -> None:
         for (li, s, _, shape, s0, _), off in items:
@@ -449,20 +451,17 @@ def _run_host_packed(
     if program.local_devices and program.stages:
         # Runs of one program share its send buffers: one at a time.
         with program.lock:
-            # A pipeline: XLA runs each stage asynchronously, so this process packs
-            # stage s + 1 while stage s is on the wire, and unpacks stage s - 1 then.
-            in_flight: list[tuple[list[int], Any]] = []
+            # A pipeline: this thread packs stage s + 1 while stage s is on the wire
+            # (XLA usually runs it asynchronously), and a helper thread unpacks each
+            # stage as soon as it arrives.
             every: list[Any] = []
+            unpacked = []
             for s, stage in enumerate(program.stages):
                 every.append(program.compiled(s)(*[pack(ci) for ci in stage]))
-                in_flight.append((stage, every[-1]))
-                if len(in_flight) > 1:
-                    done, received = in_flight.pop(0)
-                    for ci, r in zip(done, received, strict=True):
-                        unpack(ci, r)
-            for done, received in in_flight:
-                for ci, r in zip(done, received, strict=True):
-                    unpack(ci, r)
+                for ci, r in zip(stage, every[-1], strict=True):
+                    unpacked.append(_unpack_pool().submit(unpack, ci, r))
+            for f in unpacked:
+                f.result()
             # Send buffers are reused by the next run: every transfer must be over (a
             # process that only sends does not otherwise wait for them).
             jax.block_until_ready(every)
@@ -504,6 +503,13 @@ def _copy_pool() -> ThreadPoolExecutor:
     if _pool is None:
         _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="reshard-collective-copy")
     return _pool
+
+
+def _unpack_pool() -> ThreadPoolExecutor:
+    global _unpacker
+    if _unpacker is None:
+        _unpacker = ThreadPoolExecutor(1, thread_name_prefix="reshard-collective-unpack")
+    return _unpacker
 
 
 def _run_all(tasks: Sequence[tuple[int, Callable[[], None]]]) -> None:
