@@ -223,7 +223,25 @@ def run_scenario(name: str, size_mb: float, reps: int) -> Row:
 
 
 def _peak_rss_bytes() -> int:
+    """The process's peak RSS (VmHWM) in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> None:
+    """Resets the peak RSS to the current RSS (Linux: ``clear_refs`` value 5), so the
+    next reading measures only what follows, not the building of the inputs."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # pragma: no cover - not Linux
+        pass
 
 
 def _rss_child(name: str, size_mb: float, which: str) -> None:
@@ -236,6 +254,7 @@ def _rss_child(name: str, size_mb: float, which: str) -> None:
     x, dst, _ = scenario(name, size_mb)
     p = reshard.plan(x, dst)
     gc.collect()
+    _reset_peak_rss()
     before = _peak_rss_bytes()
     out = reshard.reshard(x, dst) if which == "reshard" else jax.device_put(x, dst)
     jax.block_until_ready(out)

@@ -8,6 +8,7 @@ that both paths give the same result.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,13 @@ def ordered_devices(sharding: Sharding) -> tuple[Any, ...]:
 
 def addressable_devices(sharding: Sharding) -> tuple[Any, ...]:
     """The devices of ``sharding`` this process can address, in ``ordered_devices`` order."""
+    return _addressable_devices(sharding, USE_PRIVATE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _addressable_devices(sharding: Sharding, use_private: bool) -> tuple[Any, ...]:
+    # Memoised: shardings are hashable and this runs for every array of every call.
+    del use_private  # part of the cache key only
     me = jax.process_index()
     return tuple(d for d in ordered_devices(sharding) if d.process_index == me)
 
