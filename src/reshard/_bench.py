@@ -111,15 +111,19 @@ def _make_tree(
     import jax
     import jax.numpy as jnp
 
+    def filler(shape: tuple[int, ...], dtype: str, sharding: Any) -> Any:
+        def fill(k: Any) -> Any:
+            return jax.random.normal(k, shape, jnp.float32).astype(dtype)
+
+        return jax.jit(fill, out_shardings=sharding)
+
     out = {}
+    fns: dict[tuple[Any, ...], Any] = {}  # one compiled filler per distinct leaf kind
     for i, (name, (shape, dtype)) in enumerate(shapes.items()):
-        fn = jax.jit(
-            lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, jnp.float32).astype(
-                dtype
-            ),
-            out_shardings=shardings[name],
-        )
-        out[name] = fn(jax.random.key(i))
+        key = (shape, dtype, shardings[name])
+        if key not in fns:
+            fns[key] = filler(shape, dtype, shardings[name])
+        out[name] = fns[key](jax.random.key(i))
     return jax.block_until_ready(out)
 
 
@@ -234,6 +238,17 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _trim_heap() -> None:
+    """Returns freed heap memory to the OS, so memory freed while the inputs were built
+    cannot be reused unseen (it would hide part of the rise)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
 def _reset_peak_rss() -> None:
     """Resets the peak RSS to the current RSS (Linux: ``clear_refs`` value 5), so the
     next reading measures only what follows, not the building of the inputs."""
@@ -254,6 +269,7 @@ def _rss_child(name: str, size_mb: float, which: str) -> None:
     x, dst, _ = scenario(name, size_mb)
     p = reshard.plan(x, dst)
     gc.collect()
+    _trim_heap()
     _reset_peak_rss()
     before = _peak_rss_bytes()
     out = reshard.reshard(x, dst) if which == "reshard" else jax.device_put(x, dst)
