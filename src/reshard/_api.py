@@ -185,7 +185,7 @@ def _broadcast_shardings(sharding: Any, x: Any, n: int) -> list[Any]:
                 f"sharding {where} must be a jax.sharding.Sharding, got {type(s).__name__}: {s!r}.{hint}"
             )
     try:
-        subtrees = s_def.flatten_up_to(x)
+        subtrees = s_def.flatten_up_to(x)  # type: ignore[attr-defined]
     except (ValueError, TypeError) as e:
         raise ValueError(
             "the sharding pytree must be a tree prefix of x: "
@@ -268,7 +268,7 @@ def _device_id(d: Any) -> int:
 def _memory_kind(s: Sharding) -> str:
     mk = s.memory_kind
     if mk is None:
-        dev = next(iter(s.device_set))
+        dev: Any = next(iter(s.device_set))
         try:
             mk = dev.default_memory().kind
         except Exception:  # pragma: no cover - backends without memories
@@ -294,7 +294,8 @@ def _build_plan(
     for leaf in leaves:
         if leaf.kind == HOST:
             continue
-        src, dst = leaf.src_sharding, leaf.dst_sharding
+        src: Sharding | None = leaf.src_sharding
+        dst: Sharding | None = leaf.dst_sharding
         shape, itemsize = leaf.shape, np.dtype(leaf.dtype).itemsize if leaf.kind == ARRAY else 4
         if leaf.kind == KEY:
             src, dst = leaf.data_src_sharding, leaf.data_dst_sharding
@@ -302,7 +303,8 @@ def _build_plan(
                 jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
             ).shape
         assert src is not None and dst is not None
-        leaf_platforms = {d.platform for d in src.device_set | dst.device_set}
+        devices: set[Any] = set(src.device_set | dst.device_set)
+        leaf_platforms = {d.platform for d in devices}
         if len(leaf_platforms) > 1:
             raise ValueError(
                 f"leaf {leaf.path or '<root>'}: source and destination devices mix platforms "
@@ -310,7 +312,8 @@ def _build_plan(
                 "(use jax.device_put to cross platforms)"
             )
         platforms |= leaf_platforms
-        dst_avoided = sorted(d.id for d in dst.device_set if d.id in avoid)
+        dst_devices: set[Any] = set(dst.device_set)
+        dst_avoided = sorted(d.id for d in dst_devices if d.id in avoid)
         if dst_avoided:
             raise ValueError(
                 f"leaf {leaf.path or '<root>'}: the destination sharding uses avoided devices "

@@ -135,12 +135,19 @@ def scenario(name: str, size_mb: float) -> tuple[dict[str, Any], dict[str, Any],
     from jax.sharding import PartitionSpec as P
 
     devs = np.array(jax.devices())
+    shapes: dict[str, tuple[tuple[int, ...], str]]
+    src: Any
+    dst: Any
     if name == "leaves":
         n = 512
         shapes = {f"w{i:03d}": ((128, 128), "float32") for i in range(n)}
-        src = NamedSharding(Mesh(devs[:4], ("a",)), P("a"))
-        dst = NamedSharding(Mesh(devs[4:8], ("b",)), P("b"))
-        return _make_tree(shapes, dict.fromkeys(shapes, src)), dict.fromkeys(shapes, dst), False
+        one_src = NamedSharding(Mesh(devs[:4], ("a",)), P("a"))
+        one_dst = NamedSharding(Mesh(devs[4:8], ("b",)), P("b"))
+        return (
+            _make_tree(shapes, dict.fromkeys(shapes, one_src)),
+            dict.fromkeys(shapes, one_dst),
+            False,
+        )
     shapes = llm_shapes(size_mb)
 
     def fsdp(mesh: Mesh) -> dict[str, Any]:

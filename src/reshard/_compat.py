@@ -20,8 +20,8 @@ try:  # pragma: no cover - exercised on whichever JAX is installed
     from jax._src import core as _core
     from jax._src.interpreters import pxla as _pxla
 
-    _batched_device_put = _pxla.batched_device_put
-    _ShapedArray = _core.ShapedArray
+    _batched_device_put: Any = _pxla.batched_device_put
+    _ShapedArray: Any = _core.ShapedArray
 except Exception:  # pragma: no cover
     _batched_device_put = None
     _ShapedArray = None

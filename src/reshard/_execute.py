@@ -5,17 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
+from jax.sharding import Sharding
 
 from . import _compat
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
-from ._plan import HOST, KEY, Plan
+from ._plan import HOST, KEY, LeafInfo, Plan
 
 
 def _jobs(plan: Plan) -> list[LeafJob]:
     jobs = plan._cache.get("jobs")
     if jobs is None:
         jobs = plan._cache["jobs"] = [
-            LeafJob.build(lp, "uint32" if leaf.kind == KEY else leaf.dtype)
+            LeafJob.build(lp, np.dtype("uint32" if leaf.kind == KEY else leaf.dtype))
             for leaf, lp in zip(plan.planned_leaves, plan.leaf_plans, strict=True)
         ]
     return jobs
@@ -52,9 +54,7 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     sources = [
         jax.random.key_data(values[i]) if leaf.kind == KEY else values[i] for i, leaf in planned
     ]
-    dst_shardings = [
-        leaf.data_dst_sharding if leaf.kind == KEY else leaf.dst_sharding for _, leaf in planned
-    ]
+    dst_shardings = [_moved_sharding(leaf) for _, leaf in planned]
     targets = plan._cache.get("targets")
     if targets is None:
         # Per planned array: (destination shard index, device) for this process's
@@ -117,3 +117,10 @@ def _donate(x: jax.Array, data: jax.Array, keep_devices: set[int]) -> None:
     for dev, buf in _compat.device_buffers(data).items():
         if dev not in keep_devices:
             buf.delete()
+
+
+def _moved_sharding(leaf: LeafInfo) -> Sharding:
+    """The sharding the executor builds: the key data's for key arrays."""
+    s = leaf.data_dst_sharding if leaf.kind == KEY else leaf.dst_sharding
+    assert s is not None  # set for every KEY leaf by the API layer
+    return s

@@ -330,13 +330,12 @@ def run_device(
         ]
         cut = program.cut_fn(dev)(*cut_inputs) if cut_inputs else ()
         it = iter(cut)
-        for s in sends:
-            if s.slices is None:
-                payload[ids[id(s)]] = compute_ready(
-                    bufs[s.leaf][jobs[s.leaf].plan.spec.src[s.src].device]
-                )
+        for send in sends:
+            if send.slices is None:
+                src_dev = jobs[send.leaf].plan.spec.src[send.src].device
+                payload[ids[id(send)]] = compute_ready(bufs[send.leaf][src_dev])
             else:
-                payload[ids[id(s)]] = next(it)
+                payload[ids[id(send)]] = next(it)
     # 2. One batched device-to-device transfer for every piece.
     order = sorted(payload)
     moved = (

@@ -362,9 +362,7 @@ def _stats(plans: Sequence[LeafPlan], rep_of: Sequence[int]) -> PlanStats:
     recv: dict[int, int] = defaultdict(int)
     peak: dict[int, int] = defaultdict(int)
     totals = [0] * 6  # array, total, moved, kept, lower bound, transfers
-    memo: dict[
-        tuple[int, int], tuple[list[int], dict[int, int], dict[int, int], dict[int, int]]
-    ] = {}
+    memo: dict[int, tuple[list[int], dict[int, int], dict[int, int], dict[int, int]]] = {}
     for li, lp in enumerate(plans):
         # Leaves sharing a representative's pieces share its numbers too.
         hit = memo.get(rep_of[li])
@@ -376,8 +374,17 @@ def _stats(plans: Sequence[LeafPlan], rep_of: Sequence[int]) -> PlanStats:
         for acc, part in ((send, s), (recv, r), (peak, p)):
             for dev, v in part.items():
                 acc[dev] += v
+    array_bytes, bytes_total, bytes_moved, bytes_kept, lower, transfers = totals
     return PlanStats(
-        *totals, send_bytes=dict(send), recv_bytes=dict(recv), peak_extra_bytes=dict(peak)
+        array_bytes=array_bytes,
+        bytes_total=bytes_total,
+        bytes_moved=bytes_moved,
+        bytes_kept=bytes_kept,
+        bytes_lower_bound=lower,
+        transfers=transfers,
+        send_bytes=dict(send),
+        recv_bytes=dict(recv),
+        peak_extra_bytes=dict(peak),
     )
 
 
