@@ -23,7 +23,8 @@ def main() -> list[float]:
     truth = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
     src = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
     dst = NamedSharding(Mesh(devs[4:], ("tp",)), P(None, "tp"))
-    x = jax.make_array_from_callback(truth.shape, src, lambda idx: truth[idx])
+    # dtype= is needed: process 1 holds none of the source shards.
+    x = jax.make_array_from_callback(truth.shape, src, lambda idx: truth[idx], dtype=truth.dtype)
     y = reshard.reshard(x, dst)  # every process makes this same call
     for s in y.addressable_shards:  # this process's destination shards, checked exactly
         np.testing.assert_array_equal(np.asarray(s.data), truth[s.index])
@@ -33,6 +34,8 @@ def main() -> list[float]:
 if __name__ == "__main__":
     from reshard import launch_local
 
-    results = launch_local(f"{Path(__file__).resolve()}:main", num_processes=2, devices_per_process=4, timeout_s=120)
+    results = launch_local(
+        f"{Path(__file__).resolve()}:main", num_processes=2, devices_per_process=4, timeout_s=120
+    )
     for r in results:
         print(f"process {r.process_id}: shard sums {r.value}")
