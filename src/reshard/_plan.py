@@ -174,14 +174,3 @@ class Plan:
         if self.avoid_devices:
             lines.append(f"  avoiding:    devices {sorted(self.avoid_devices)}")
         return "\n".join(lines)
-
-    def describe_leaves(self, limit: int = 20) -> str:
-        """One line per planned leaf: path, shape, bytes moved, transfers."""
-        rows = []
-        for leaf, lp in zip(self.planned_leaves, self.leaf_plans, strict=True):
-            rows.append(
-                f"  {leaf.path or '<root>'}: {leaf.dtype}{list(leaf.shape)} moved "
-                f"{human_bytes(lp.bytes_moved)} in {len(lp.moved)} piece(s)"
-            )
-        more = len(rows) - limit
-        return "\n".join(rows[:limit] + ([f"  ... and {more} more"] if more > 0 else []))
