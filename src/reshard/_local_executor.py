@@ -31,7 +31,7 @@ import numpy as np
 
 from . import _compat
 from ._buffers import POOL, host_empty
-from ._geometry import Box, box_shape, relative_slices
+from ._geometry import box_shape, relative_slices
 from ._planner import LeafPlan
 
 # (source shard index, slices into the source shard, slices into the destination shard)
@@ -210,42 +210,37 @@ class DeviceProgram:
 
     def __init__(self, jobs: Sequence[LeafJob]) -> None:
         self.jobs = list(jobs)
-        # Pieces that change location, grouped by source device.
+        # Pieces that change location, grouped by source device; ``send_order`` gives
+        # each one its id.
         self.sends: dict[int, list[_Send]] = defaultdict(list)
-        # Per destination device: shards to build, each as a list of inputs.
-        self.builds: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        self.recv_slot: dict[tuple[int, int, int], int] = {}  # (leaf, dst, piece#) -> send id
-        send_id = 0
         self.send_order: list[_Send] = []
-        self.piece_inputs: dict[tuple[int, int], list[tuple[str, int, Box, tuple[slice, ...]]]] = {}
+        # Per destination device: the (leaf, destination shard) pairs it builds.
+        self.builds: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        # Per (leaf, destination shard): ("recv", send id, slices into the shard) or
+        # ("local", source shard, slices into the source + slices into the shard).
+        self.piece_inputs: dict[tuple[int, int], list[tuple[str, int, tuple[slice, ...]]]] = {}
         for li, job in enumerate(self.jobs):
             spec = job.plan.spec
-            moved = {(p.src, p.dst, p.box) for p in job.plan.moved}
-            for di, copies in enumerate(job.copies):
-                if di in job.reused:
-                    continue
-                inputs: list[tuple[str, int, Box, tuple[slice, ...]]] = []
-                for si, ssl, dsl in copies:
-                    sbox = spec.src[si].box
-                    box = tuple(
-                        (sbox[k][0] + s.start, sbox[k][0] + s.stop) for k, s in enumerate(ssl)
-                    )
-                    if (si, di, box) in moved:
-                        whole = box == sbox
-                        send = _Send(
-                            li,
-                            si,
-                            None if whole else tuple((s.start, s.stop) for s in ssl),
-                            spec.dst[di].device,
-                        )
-                        self.sends[spec.src[si].device].append(send)
-                        self.send_order.append(send)
-                        inputs.append(("recv", send_id, box, dsl))
-                        send_id += 1
-                    else:
-                        inputs.append(("local", si, box, ssl + dsl))
-                self.piece_inputs[(li, di)] = inputs
-                self.builds[spec.dst[di].device].append((li, di))
+            inputs: dict[int, list[tuple[str, int, tuple[slice, ...]]]] = defaultdict(list)
+            for p in job.plan.kept:
+                sbox, dbox = spec.src[p.src].box, spec.dst[p.dst].box
+                sl = relative_slices(p.box, sbox) + relative_slices(p.box, dbox)
+                inputs[p.dst].append(("local", p.src, sl))
+            for p in job.plan.moved:
+                sbox, dbox = spec.src[p.src].box, spec.dst[p.dst].box
+                cut = (
+                    None
+                    if p.box == sbox
+                    else tuple((s.start, s.stop) for s in relative_slices(p.box, sbox))
+                )
+                send = _Send(li, p.src, cut, spec.dst[p.dst].device)
+                inputs[p.dst].append(("recv", len(self.send_order), relative_slices(p.box, dbox)))
+                self.sends[spec.src[p.src].device].append(send)
+                self.send_order.append(send)
+            for di, d in enumerate(spec.dst):
+                if di not in job.reused:
+                    self.piece_inputs[(li, di)] = inputs[di]
+                    self.builds[d.device].append((li, di))
         self._cut_fns: dict[int, Callable[..., Any]] = {}
         self._build_fns: dict[int, Callable[..., Any]] = {}
 
@@ -277,7 +272,7 @@ class DeviceProgram:
                     spec = jobs[li].plan.spec
                     shape = box_shape(spec.dst[di].box)
                     out = jnp.zeros(shape, jobs[li].dtype)
-                    for kind, ref, _box, sl in inputs:
+                    for kind, ref, sl in inputs:
                         if kind == "recv":
                             out = out.at[sl].set(recv[ref])
                         else:
@@ -357,7 +352,7 @@ def run_device(
         need_local = {}
         for li, di in targets:
             spec = jobs[li].plan.spec
-            for kind, ref, _box, _sl in program.piece_inputs[(li, di)]:
+            for kind, ref, _sl in program.piece_inputs[(li, di)]:
                 if kind == "recv":
                     need_recv[ref] = recv[ref]
                 else:
