@@ -7,6 +7,7 @@ and looks plans up in a bounded cache. Inner layers trust what it hands them.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
@@ -222,7 +223,7 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
     if not isinstance(src, Sharding):
         raise ValueError(f"leaf {where} has no jax.sharding.Sharding (got {src!r})")
     if _is_key(dtype):
-        data_shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype)).shape
+        data_shape = key_data_shape(shape, dtype)
         extra = len(data_shape) - len(shape)
         ds, dd = _key_data_sharding(src, extra), _key_data_sharding(dst, extra)
         if ds is None or dd is None:
@@ -230,6 +231,12 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
             return LeafInfo(path, HOST, shape, dtype, src, dst)
         return LeafInfo(path, KEY, shape, dtype, src, dst, ds, dd)
     return LeafInfo(path, ARRAY, shape, dtype, src, dst)
+
+
+@functools.lru_cache(maxsize=1024)
+def key_data_shape(shape: tuple[int, ...], dtype: Any) -> tuple[int, ...]:
+    """Shape of ``jax.random.key_data`` of a key array (memoised: it traces)."""
+    return tuple(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype)).shape)
 
 
 def _key_data_sharding(s: Sharding, extra: int) -> Sharding | None:
@@ -299,9 +306,7 @@ def _build_plan(
         shape, itemsize = leaf.shape, np.dtype(leaf.dtype).itemsize if leaf.kind == ARRAY else 4
         if leaf.kind == KEY:
             src, dst = leaf.data_src_sharding, leaf.data_dst_sharding
-            shape = jax.eval_shape(
-                jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-            ).shape
+            shape = key_data_shape(leaf.shape, leaf.dtype)
         assert src is not None and dst is not None
         devices: set[Any] = set(src.device_set | dst.device_set)
         leaf_platforms = {d.platform for d in devices}
