@@ -64,11 +64,17 @@ from ._planner import LeafPlan
 AXIS = "r"
 # Over gloo one huge buffer is slower than a few medium ones (jax 0.10, loopback: 72
 # MiB per device pair in one ppermute took ~1.8x as long as in four), so host-packed
-# buffers are cut at this size.
-CHUNK_BYTES = 8 * 2**20
-# Host-packed transfers run as a pipeline of programs of about this many bytes per
-# device each, so packing, the network and unpacking overlap.
-STAGE_BYTES = 4 * 2**20
+# buffers are cut at this size. On the 288 MiB benchmark (2 processes x 4 CPU devices,
+# A/B in one launch) ~3 MiB buffers took 1.27-1.47x the ppermute floor, ~6 MiB ones
+# 1.52-1.88x; a guess, not verified: Linux's default socket send buffer tops out at 4 MiB.
+CHUNK_BYTES = 3 * 2**20
+# Host-packed transfers run as a pipeline of programs of at most this many bytes per
+# device each, so packing, the network and unpacking overlap. A few chunks per program
+# (not one) measured faster on the same benchmark: fewer dispatches, the same overlap.
+STAGE_BYTES = 12 * 2**20
+# ... but a plan is cut into at least this many programs where it has the chunks for
+# it: in a single program packing, the network and unpacking would not overlap.
+MIN_STAGES = 4
 _ALIGN = 64  # byte offset alignment of pieces in a packed buffer
 # Host-side copies (packing, unpacking, same-process pieces) run on a few threads.
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -347,8 +353,10 @@ def _stages(chunks: Sequence[_Chunk], limit: int) -> list[list[int]]:
     """Groups consecutive chunks into stages of at most ``limit`` bytes per device.
 
     Each stage is its own compiled program, so while one stage is on the wire the
-    sender already packs the next and the receiver unpacks the previous one.
+    sender already packs the next and the receiver unpacks the previous one. Stages
+    are made smaller where needed to have at least ``MIN_STAGES`` of them.
     """
+    limit = min(limit, max(1, sum(ch.nbytes for ch in chunks) // MIN_STAGES))
     stages: list[list[int]] = []
     used = 0
     for ci, ch in enumerate(chunks):
