@@ -59,6 +59,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from . import _compat
 from ._buffers import host_empty
 from ._geometry import Box, box_shape
+from ._local_executor import in_compute_memory
 from ._planner import LeafPlan
 
 AXIS = "r"
@@ -543,15 +544,7 @@ def _finish(
     shape = tuple(lp.spec.shape)
     if parts and not any(isinstance(p, jax.Array) for p in parts):
         return _compat.assemble(shape, dtype, sharding, parts, devs)  # zero-copy on CPU
-    pending = [i for i, p in enumerate(parts) if not isinstance(p, jax.Array)]
-    if pending:
-        placed = jax.device_put(
-            [parts[i] for i in pending],
-            [SingleDeviceSharding(devs[i], memory_kind=sharding.memory_kind) for i in pending],
-            may_alias=True,
-        )
-        for i, a in zip(pending, placed, strict=True):
-            parts[i] = a
+    parts = _compat.place_host_buffers(parts, devs, sharding.memory_kind)
     return jax.make_array_from_single_device_arrays(shape, sharding, parts, dtype=dtype)
 
 
@@ -866,14 +859,6 @@ def _carrier(dtype: np.dtype) -> np.dtype:
     return dtype
 
 
-def _compute_ready(a: jax.Array, device: Any) -> jax.Array:
-    """``a`` in the device's default memory (programs compute there, not in host memory)."""
-    default = device.default_memory().kind
-    if a.sharding.memory_kind in (None, default):
-        return a
-    return jax.device_put(a, SingleDeviceSharding(device, memory_kind=default))
-
-
 def _block_inputs(program: CollectiveProgram, sources: Sequence[jax.Array]) -> list[jax.Array]:
     """Per array, the block array on the union mesh, from this process's source shards."""
     per_leaf: list[dict[int, jax.Array]] = []
@@ -886,7 +871,7 @@ def _block_inputs(program: CollectiveProgram, sources: Sequence[jax.Array]) -> l
             if b is None:
                 missing[d.id].append(li)
                 continue
-            b = _compute_ready(b, d)
+            b = in_compute_memory(b, d)
             if program.leaves[li].scalar:
                 b = b.reshape((1,))
             if b.dtype != program.in_dtypes[li]:

@@ -85,20 +85,29 @@ def assemble(
             return _batched_device_put(aval, sharding, list(buffers), list(devices))
         except Exception:  # pragma: no cover - fall through to the public path
             pass
-    pending = [(i, b) for i, b in enumerate(buffers) if not isinstance(b, jax.Array)]
+    out = place_host_buffers(buffers, devices, sharding.memory_kind)
+    return jax.make_array_from_single_device_arrays(shape, sharding, out)
+
+
+def place_host_buffers(
+    buffers: Sequence[Any], devices: Sequence[Any], memory_kind: str | None
+) -> list[Any]:
+    """Puts the numpy buffers among ``buffers`` on their devices in one batched call
+    (zero-copy on CPU when aligned); ``jax.Array``s are kept as they are."""
     out: list[Any] = list(buffers)
+    pending = [i for i, b in enumerate(out) if not isinstance(b, jax.Array)]
     if pending:
         placed = jax.device_put(
-            [b for _, b in pending],
+            [out[i] for i in pending],
             [
-                jax.sharding.SingleDeviceSharding(devices[i], memory_kind=sharding.memory_kind)
-                for i, _ in pending
+                jax.sharding.SingleDeviceSharding(devices[i], memory_kind=memory_kind)
+                for i in pending
             ],
             may_alias=True,
         )
-        for (i, _), arr in zip(pending, placed, strict=True):
+        for i, arr in zip(pending, placed, strict=True):
             out[i] = arr
-    return jax.make_array_from_single_device_arrays(shape, sharding, out)
+    return out
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:

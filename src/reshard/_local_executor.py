@@ -173,23 +173,18 @@ def run_host(
     for job, sharding, (dst_bufs, dst_devs) in zip(jobs, shardings, leaves, strict=True):
         kinds = {isinstance(b, jax.Array) for b in dst_bufs}
         if len(kinds) > 1:
-            dst_bufs = _place_mixed(dst_bufs, dst_devs, sharding)
+            dst_bufs = _compat.place_host_buffers(dst_bufs, dst_devs, sharding.memory_kind)
         outs.append(_compat.assemble(job.plan.spec.shape, job.dtype, sharding, dst_bufs, dst_devs))
     return outs
 
 
-def _place_mixed(bufs: list[Any], devs: list[Any], sharding: jax.sharding.Sharding) -> list[Any]:
-    """Puts the numpy buffers among ``bufs`` on their devices (zero-copy on CPU)."""
-    idx = [i for i, b in enumerate(bufs) if not isinstance(b, jax.Array)]
-    placed = jax.device_put(
-        [bufs[i] for i in idx],
-        [jax.sharding.SingleDeviceSharding(devs[i], memory_kind=sharding.memory_kind) for i in idx],
-        may_alias=True,
-    )
-    out = list(bufs)
-    for i, a in zip(idx, placed, strict=True):
-        out[i] = a
-    return out
+def in_compute_memory(a: jax.Array, device: Any) -> jax.Array:
+    """``a`` in ``device``'s default memory: compiled programs read device memory, so
+    shards in host memory kinds are staged there first."""
+    default = device.default_memory().kind
+    if a.sharding.memory_kind in (None, default):
+        return a
+    return jax.device_put(a, jax.sharding.SingleDeviceSharding(device, memory_kind=default))
 
 
 # ----------------------------------------------------------------------------------
@@ -307,12 +302,7 @@ def run_device(
             alldevs[d.id] = d
 
     def compute_ready(a: jax.Array) -> jax.Array:
-        # Compiled programs read device memory; stage host-memory shards there first.
-        dev = next(iter(a.devices()))
-        default = dev.default_memory().kind
-        if a.sharding.memory_kind not in (None, default):
-            return jax.device_put(a, jax.sharding.SingleDeviceSharding(dev, memory_kind=default))
-        return a
+        return in_compute_memory(a, next(iter(a.devices())))
 
     # 1. Cut the pieces that leave each source device (one program per device).
     payload: dict[int, jax.Array] = {}
