@@ -48,7 +48,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     from jax.sharding import PartitionSpec as P
 
     import reshard
-    from reshard import _collective_executor
+    from reshard import _collective_common, _collective_executor
 
     devs = np.array(jax.devices())
     n = len(devs)
@@ -193,20 +193,20 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     def failure_leaves_inputs_intact() -> None:
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
         x = make(a, src)
-        original = _collective_executor._finish
+        original = _collective_common.finish
 
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("injected failure after the transfer")
 
         # Every process fails at the same point, after all bytes moved.
-        _collective_executor._finish = broken
+        _collective_common.finish = broken
         try:
             reshard.reshard(x, dst, donate=True)
             raise AssertionError("the injected failure did not surface")
         except RuntimeError as e:
             assert "injected failure" in str(e)
         finally:
-            _collective_executor._finish = original
+            _collective_common.finish = original
         assert not x.is_deleted()
         check(x, a, src)
         check(reshard.reshard(x, dst, donate=True), a, dst)  # and it can be retried

@@ -1,0 +1,183 @@
+"""What both collective paths share: the union mesh's copies and their rounds.
+
+A plan's pieces become **copies** in union-mesh coordinates (positions ``0..n-1`` of
+the devices sorted by id). Copies between two positions travel in **rounds**: the
+pairs of positions that exchange data are edge-coloured (a bipartite colouring), so
+in a round every position sends to at most one other and receives from at most one:
+exactly what one ``lax.ppermute`` can do. The number of rounds is the largest number
+of partners any position has, the fewest possible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _compat
+from ._geometry import Box, box_shape
+from ._planner import LeafPlan
+
+AXIS = "r"  # the union mesh's only axis
+
+# One copy in union-mesh coordinates: (leaf, source position, destination position,
+# piece shape, start in the source block, start in the destination block).
+Copy = tuple[int, int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class LeafBlocks:
+    """Block shapes of one array in the program: every source (destination) shard of
+    an array has the same shape, so each is one block of the union mesh."""
+
+    src_block: tuple[int, ...]
+    dst_block: tuple[int, ...]
+    scalar: bool  # rank-0 array, carried as shape (1,)
+
+
+def color_edges(edges: Sequence[tuple[int, int]]) -> list[int]:
+    """Colours the edges of a bipartite multigraph so no two edges at a node share one.
+
+    Senders and receivers are the two sides, so each colour is a valid ``ppermute``
+    round. Uses the classic alternating-path recolouring (König's theorem): the number
+    of colours equals the largest degree, the fewest rounds possible.
+
+    Args:
+      edges: ``(sender, receiver)`` pairs; repeated pairs are separate edges.
+
+    Returns:
+      The colour (round index) of each edge, in input order.
+    """
+    at_send: dict[tuple[int, int], int] = {}  # (sender, colour) -> edge index
+    at_recv: dict[tuple[int, int], int] = {}  # (receiver, colour) -> edge index
+    colour = [-1] * len(edges)
+
+    def free(table: dict[tuple[int, int], int], node: int) -> int:
+        c = 0
+        while (node, c) in table:
+            c += 1
+        return c
+
+    for e, (u, v) in enumerate(edges):
+        a, b = free(at_send, u), free(at_recv, v)
+        if (v, a) in at_recv:
+            # `a` is taken at v. Walk the path from v along colours a, b, a, ... and swap
+            # a <-> b on it; in a bipartite graph it never reaches u, so afterwards `a`
+            # is free at both ends of e.
+            path: list[int] = []
+            node, on_recv_side, c = v, True, a
+            while True:
+                nxt = (at_recv if on_recv_side else at_send).get((node, c))
+                if nxt is None:
+                    break
+                path.append(nxt)
+                su, sv = edges[nxt]
+                node, on_recv_side = (su, False) if on_recv_side else (sv, True)
+                c = b if c == a else a
+            for p in path:
+                su, sv = edges[p]
+                del at_send[(su, colour[p])]
+                del at_recv[(sv, colour[p])]
+            for p in path:
+                su, sv = edges[p]
+                colour[p] = b if colour[p] == a else a
+                at_send[(su, colour[p])] = p
+                at_recv[(sv, colour[p])] = p
+        colour[e] = a
+        at_send[(u, a)] = e
+        at_recv[(v, a)] = e
+    return colour
+
+
+def rounds_of(pairs: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, int], ...]]:
+    """Groups device pairs into permutations (rounds), fewest possible."""
+    pairs = sorted(pairs)
+    colour = color_edges(pairs)
+    return [
+        tuple(pr for pr, col in zip(pairs, colour, strict=True) if col == c)
+        for c in sorted(set(colour))
+    ]
+
+
+def _offset(inner: Box, outer: Box) -> tuple[int, ...]:
+    return tuple(i0 - o0 for (i0, _), (o0, _) in zip(inner, outer, strict=True))
+
+
+def _uniform_shape(lp: LeafPlan, side: str) -> tuple[int, ...]:
+    shards = lp.spec.src if side == "source" else lp.spec.dst
+    shapes = {box_shape(s.box) for s in shards}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"leaf {lp.spec.name}: the collective executor needs equally shaped {side} "
+            f"shards, got shapes {sorted(shapes)}; use executor='host' or 'device' in one "
+            "process, or a sharding with even shards"
+        )
+    return shapes.pop()
+
+
+def _leaf_copies(
+    li: int, lp: LeafPlan, position: dict[int, int], alias: bool
+) -> tuple[LeafBlocks, list[Copy], set[int]]:
+    """One array's copies, its block shapes, and the positions whose output is kept."""
+    spec = lp.spec
+    src_block, dst_block = _uniform_shape(lp, "source"), _uniform_shape(lp, "destination")
+    copies: list[Copy] = []
+    for p in lp.kept + lp.moved:
+        s, d = spec.src[p.src], spec.dst[p.dst]
+        copies.append(
+            (
+                li,
+                position[s.device],
+                position[d.device],
+                box_shape(p.box),
+                _offset(p.box, s.box),
+                _offset(p.box, d.box),
+            )
+        )
+    if not alias:  # may_alias=False: unchanged shards are copied too
+        for di, si in lp.reused:
+            s, d = spec.src[si], spec.dst[di]
+            zero = (0,) * len(spec.shape)
+            copies.append(
+                (li, position[s.device], position[d.device], box_shape(d.box), zero, zero)
+            )
+    reused_pos = {position[spec.dst[di].device] for di, _ in lp.reused} if alias else set()
+    keep = {position[d.device] for d in spec.dst} - reused_pos
+    scalar = len(spec.shape) == 0
+    if scalar:
+        src_block = dst_block = (1,)
+        copies = [(li, s, d, (1,), (0,), (0,)) for li, s, d, _, _, _ in copies]
+    return LeafBlocks(src_block, dst_block, scalar), copies, keep
+
+
+def all_copies(
+    leaf_plans: Sequence[LeafPlan], position: dict[int, int], alias: bool
+) -> tuple[list[LeafBlocks], list[set[int]], list[Copy]]:
+    """Block shapes, kept output positions and copies of every array of the plan.
+
+    The kept positions of an array are those of its destination shards that are not
+    handed over from a source shard unchanged (``may_alias``).
+    """
+    blocks: list[LeafBlocks] = []
+    keep: list[set[int]] = []
+    copies: list[Copy] = []
+    for li, lp in enumerate(leaf_plans):
+        b, cs, k = _leaf_copies(li, lp, position, alias)
+        blocks.append(b)
+        keep.append(k)
+        copies.extend(cs)
+    return blocks, keep, copies
+
+
+def finish(
+    lp: LeafPlan, dtype: np.dtype, sharding: Any, parts: list[Any], devs: list[Any]
+) -> jax.Array:
+    """Puts this process's destination shards (numpy or on-device) together."""
+    shape = tuple(lp.spec.shape)
+    if parts and not any(isinstance(p, jax.Array) for p in parts):
+        return _compat.assemble(shape, dtype, sharding, parts, devs)  # zero-copy on CPU
+    parts = _compat.place_host_buffers(parts, devs, sharding.memory_kind)
+    return jax.make_array_from_single_device_arrays(shape, sharding, parts, dtype=dtype)

@@ -1,0 +1,299 @@
+"""Device-packed collective transfers: the program itself cuts, moves and places pieces.
+
+Used when the union mesh holds accelerators (it also runs on CPU, where host packing
+is faster). Each array enters the program as a *block array* on the union mesh:
+device ``k``'s block is its source shard, or a zero placeholder where it holds none,
+put together with ``jax.make_array_from_single_device_arrays`` without copying. Inside
+``shard_map`` each device cuts its pieces with ``dynamic_slice`` at offsets it looks
+up in small tables indexed by ``lax.axis_index``, concatenates them per element type,
+``ppermute``s them (one collective per round and element type, however many arrays
+and pieces), and writes what it receives into its output block with
+``dynamic_update_slice``. The output blocks of the destination devices become the
+result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import SingleDeviceSharding
+
+from . import _collective_common as common
+from . import _compat
+from ._collective_common import AXIS, Copy, LeafBlocks
+from ._local_executor import in_compute_memory
+
+if TYPE_CHECKING:
+    from ._collective_executor import CollectiveProgram
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One piece-shaped place in a round: every position moves at most one piece in it.
+
+    Attributes:
+      leaf: which array the pieces belong to.
+      shape: the shape of the pieces.
+      send_start: per mesh position, where its piece starts in its source block.
+      recv_start: per mesh position, where its received piece goes in its output block.
+      recv_mask: per mesh position, whether it receives a piece in this slot; ``None``
+        when every position whose output block is kept receives one (the others hold
+        garbage, so nothing needs protecting).
+    """
+
+    leaf: int
+    shape: tuple[int, ...]
+    send_start: np.ndarray
+    recv_start: np.ndarray
+    recv_mask: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class _Round:
+    """Pieces that move at the same time, each sender to one receiver.
+
+    Attributes:
+      perm: ``(source position, destination position)`` pairs on the union mesh; empty
+        for the round of copies that stay on their device.
+      groups: per element type, the slots whose pieces travel packed in one buffer
+        (one ``ppermute`` per group).
+    """
+
+    perm: tuple[tuple[int, int], ...]
+    groups: tuple[tuple[np.dtype, tuple[_Slot, ...]], ...]
+
+
+def _slots(copies: Sequence[Copy], keep: Sequence[set[int]], n: int) -> list[_Slot]:
+    """Lays out the copies of one round as slots.
+
+    Within a round each position sends to at most one other, so the copies of one
+    sender all go to one receiver. Copies of the same array and shape from different
+    senders share a slot; a sender's k-th copy of that kind goes to the k-th slot of
+    that kind. For the regular patterns of real shardings every sender fills the same
+    slots, so nothing is padded.
+    """
+    per_sender: dict[tuple[int, tuple[int, ...], int], list[Copy]] = defaultdict(list)
+    for c in copies:
+        per_sender[(c[0], c[3], c[1])].append(c)
+    depth: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
+    for (li, shape, _), cs in per_sender.items():
+        depth[(li, shape)] = max(depth[(li, shape)], len(cs))
+    slots = []
+    for li, shape in sorted(depth):
+        rank = len(shape)
+        senders = [cs for (lj, sh, _), cs in sorted(per_sender.items()) if (lj, sh) == (li, shape)]
+        for k in range(depth[(li, shape)]):
+            send = np.zeros((n, rank), np.int32)
+            recv = np.zeros((n, rank), np.int32)
+            mask = np.zeros((n,), bool)
+            for cs in senders:
+                if k < len(cs):
+                    _, s, d, _, s0, d0 = cs[k]
+                    send[s], recv[d], mask[d] = s0, d0, True
+            needs_mask = any(not mask[p] for p in keep[li])
+            slots.append(_Slot(li, shape, send, recv, mask if needs_mask else None))
+    return slots
+
+
+def device_rounds(
+    copies: Sequence[Copy], keep: Sequence[set[int]], dtypes: Sequence[np.dtype], n: int
+) -> list[_Round]:
+    """The device-packed schedule: per round and element type, one packed ``ppermute``.
+
+    Copies that stay on their device need no collective and form one local round.
+    """
+    remote: dict[tuple[int, int], list[Copy]] = defaultdict(list)
+    local: list[Copy] = []
+    for c in copies:
+        if c[1] == c[2]:
+            local.append(c)
+        else:
+            remote[(c[1], c[2])].append(c)
+
+    def grouped(cs: Sequence[Copy]) -> tuple[tuple[np.dtype, tuple[_Slot, ...]], ...]:
+        by_type: dict[str, list[_Slot]] = defaultdict(list)
+        for slot in _slots(cs, keep, n):
+            by_type[str(_wire_dtype(dtypes[slot.leaf]))].append(slot)
+        return tuple(
+            (_wire_dtype(dtypes[ss[0].leaf]), tuple(ss)) for _, ss in sorted(by_type.items())
+        )
+
+    rounds = [
+        _Round(members, grouped([x for pr in members for x in remote[pr]]))
+        for members in common.rounds_of(list(remote))
+    ]
+    if local:
+        rounds.append(_Round((), grouped(local)))
+    return rounds
+
+
+def _wire_dtype(dtype: np.dtype) -> np.dtype:
+    """What pieces of ``dtype`` travel as: floats as unsigned integers of their width.
+
+    Bits are bits to a copy; gloo moves ``bfloat16`` far slower than integers (seen on
+    jax 0.10, CPU), and floats of one width then share a buffer.
+    """
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in (2, 4, 8):
+        return np.dtype({2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
+    return dtype
+
+
+def _cut(x: jax.Array, slot: _Slot, block: tuple[int, ...], me: jax.Array) -> jax.Array:
+    """This position's piece of ``slot``, out of its source block ``x``."""
+    if slot.shape == block:
+        return x  # the whole block: no slicing
+    start = jnp.asarray(slot.send_start)[me]
+    return lax.dynamic_slice(x, tuple(start[k] for k in range(len(slot.shape))), slot.shape)
+
+
+def _put(
+    out: jax.Array | None, piece: jax.Array, slot: _Slot, block: tuple[int, ...], me: jax.Array
+) -> jax.Array:
+    """Writes this position's received ``piece`` of ``slot`` into its output block."""
+    if out is None and slot.shape == block and slot.recv_mask is None:
+        return piece  # fills the whole block wherever it matters: no zero-fill, no copy
+    if out is None:
+        out = jnp.zeros(block, piece.dtype)
+    rstart = jnp.asarray(slot.recv_start)[me]
+    starts = tuple(rstart[k] for k in range(len(slot.shape)))
+    if slot.recv_mask is not None:
+        # A position that receives nothing in this slot must not overwrite its output:
+        # it writes back what is already there (costs the piece, not the block).
+        current = lax.dynamic_slice(out, starts, slot.shape)
+        piece = jnp.where(jnp.asarray(slot.recv_mask)[me], piece, current)
+    return lax.dynamic_update_slice(out, piece, starts)
+
+
+def body(
+    blocks: Sequence[LeafBlocks], rounds: Sequence[_Round], inputs: Sequence[jax.Array]
+) -> tuple[jax.Array, ...]:
+    """What every device runs: all rounds, then its output blocks."""
+    me = lax.axis_index(AXIS)
+    outs: list[jax.Array | None] = [None] * len(blocks)
+    for rd in rounds:
+        for wire, slots in rd.groups:
+            pieces = [_cut(inputs[s.leaf], s, blocks[s.leaf].src_block, me) for s in slots]
+            if rd.perm:
+                pieces = [lax.bitcast_convert_type(p, wire) for p in pieces]
+            if rd.perm and len(pieces) == 1:
+                pieces = [lax.ppermute(pieces[0], AXIS, list(rd.perm))]
+            elif rd.perm:
+                # One buffer per round and element type: one collective, not one per piece.
+                flat = jnp.concatenate([p.reshape(-1) for p in pieces])
+                flat = lax.ppermute(flat, AXIS, list(rd.perm))
+                bounds = np.cumsum([math.prod(s.shape) for s in slots])[:-1].tolist()
+                pieces = [
+                    part.reshape(s.shape)
+                    for part, s in zip(jnp.split(flat, bounds), slots, strict=True)
+                ]
+            if rd.perm:
+                pieces = [
+                    lax.bitcast_convert_type(p, inputs[s.leaf].dtype)
+                    for p, s in zip(pieces, slots, strict=True)
+                ]
+            for s, piece in zip(slots, pieces, strict=True):
+                outs[s.leaf] = _put(outs[s.leaf], piece, s, blocks[s.leaf].dst_block, me)
+    return tuple(
+        o if o is not None else jnp.zeros(b.dst_block, x.dtype)  # every shard reused
+        for o, b, x in zip(outs, blocks, inputs, strict=True)
+    )
+
+
+def carrier(dtype: np.dtype) -> np.dtype:
+    """The element type a device-packed program holds ``dtype`` in (int4 -> int8)."""
+    if jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8:
+        return np.dtype(np.int8 if jnp.issubdtype(dtype, jnp.signedinteger) else np.uint8)
+    return dtype
+
+
+def block_inputs(program: CollectiveProgram, sources: Sequence[jax.Array]) -> list[jax.Array]:
+    """Per array, the block array on the union mesh, from this process's source shards."""
+    per_leaf: list[dict[int, jax.Array]] = []
+    missing: dict[int, list[int]] = defaultdict(list)  # device id -> leaves lacking a block
+    for li, src in enumerate(sources):
+        bufs = _compat.device_buffers(src)
+        blocks: dict[int, jax.Array] = {}
+        for d in program.local_devices:
+            b = bufs.get(d.id)
+            if b is None:
+                missing[d.id].append(li)
+                continue
+            b = in_compute_memory(b, d)
+            if program.leaves[li].scalar:
+                b = b.reshape((1,))
+            if b.dtype != program.in_dtypes[li]:
+                b = b.astype(program.in_dtypes[li])
+            blocks[d.id] = b
+        per_leaf.append(blocks)
+    for d in program.local_devices:
+        if missing[d.id]:
+            for li, ph in zip(missing[d.id], program.placeholders(d, missing[d.id]), strict=True):
+                per_leaf[li][d.id] = ph
+    return [
+        jax.make_array_from_single_device_arrays(
+            program.in_shapes[li],
+            program.block_sharding,
+            [blocks[d.id] for d in program.local_devices],
+            dtype=program.in_dtypes[li],
+        )
+        for li, blocks in enumerate(per_leaf)
+    ]
+
+
+def assemble(
+    program: CollectiveProgram,
+    li: int,
+    src: jax.Array,
+    out: jax.Array | None,
+    sharding: jax.sharding.Sharding,
+) -> jax.Array:
+    """The destination array of leaf ``li`` from its output blocks (and reused shards)."""
+    reused = program.reused[li]
+    src_bufs = _compat.device_buffers(src) if reused else {}
+    out_bufs = _compat.device_buffers(out) if out is not None else {}
+    parts: list[jax.Array] = []
+    devs = []
+    me = jax.process_index()
+    mk = sharding.memory_kind
+    for d in _compat.ordered_devices(sharding):
+        if d.process_index != me:
+            continue
+        pos = program.position[d.id]
+        if pos in reused:
+            parts.append(src_bufs[program.devices[reused[pos]].id])
+        else:
+            block = out_bufs[d.id]
+            if program.leaves[li].scalar:
+                block = block.reshape(())
+            if block.dtype != program.dtypes[li]:
+                block = block.astype(program.dtypes[li])
+            if mk is not None and block.sharding.memory_kind != mk:
+                block = jax.device_put(block, SingleDeviceSharding(d, memory_kind=mk))
+            parts.append(block)
+        devs.append(d)
+    return common.finish(program.leaf_plans[li], program.dtypes[li], sharding, parts, devs)
+
+
+def run_device_packed(
+    program: CollectiveProgram,
+    sources: Sequence[jax.Array],
+    shardings: Sequence[jax.sharding.Sharding],
+) -> list[jax.Array]:
+    """Runs a device-packed program and builds this process's destination arrays."""
+    if program.local_devices:
+        outputs = program.compiled()(*block_inputs(program, sources))
+    else:
+        # This process holds no device of the union: nothing to send, nothing to keep.
+        outputs = [None] * len(sources)
+    return [
+        assemble(program, li, src, out, sharding)
+        for li, (src, out, sharding) in enumerate(zip(sources, outputs, shardings, strict=True))
+    ]

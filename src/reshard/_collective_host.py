@@ -1,0 +1,455 @@
+"""Host-packed collective transfers: numpy packs, ``ppermute``s move, numpy unpacks.
+
+Used when every device of the union mesh is a CPU, where a device's memory is this
+process's memory. Each sender's pieces are copied once into byte buffers (*chunks*)
+that XLA adopts without a copy; the compiled programs are nothing but ``ppermute``s of
+those chunks; each receiver copies the pieces out of what arrives straight into its
+destination shards. Copies between devices of one process never touch the network.
+
+Three things decide the speed on a small machine, where the network (gloo over
+loopback: the kernel copies every byte twice) and the copies share a few cores:
+
+* **Chunks of a few MiB.** Over gloo one huge buffer is slower than several medium
+  ones moved at once, so each pair's pieces are cut into chunks of about
+  ``CHUNK_BYTES``.
+* **A pipeline of stages.** Chunks run as a sequence of programs (*stages*), each a
+  few chunks of every round at once: while one stage is on the wire the sender packs
+  the next and a helper thread unpacks the one before, while it is still in cache.
+* **Reading each source byte once, in cache.** A source shard's pieces for different
+  receivers travel in different rounds, and in a stage the chunks of all rounds hold
+  the same region of the sources. Packing walks the sources in bands of about
+  ``BAND_BYTES`` and writes every piece of a band before moving on, so a strided
+  column block is read out of cache rather than memory, once per band, not once per
+  round.
+
+Send buffers come from the bounded pool of warm host blocks (``_buffers``) and go back
+to it once XLA lets go of them, so memory held between reshards stays bounded and a
+reshard does not hold all of its chunks at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from . import _collective_common as common
+from . import _compat
+from ._buffers import POOL, host_empty
+from ._collective_common import Copy, LeafBlocks
+from ._geometry import box_shape
+
+if TYPE_CHECKING:
+    from ._collective_executor import CollectiveProgram
+
+# Over gloo one huge buffer is slower than a few medium ones (jax 0.10, loopback: 72
+# MiB per device pair in one ppermute took ~1.8x as long as in four), so chunks are cut
+# at about this size.
+CHUNK_BYTES = 3 * 2**20
+# Bytes per device in one stage (one compiled program), and the fewest stages a plan
+# is cut into where it has the chunks for it: with one stage nothing would overlap.
+STAGE_BYTES = 12 * 2**20
+MIN_STAGES = 4
+# Source bytes per band when packing: a band's rows stay in the core's cache while
+# every piece cut from them is written (a 2 MiB L2 on the machine this was tuned on).
+BAND_BYTES = 512 * 2**10
+_ALIGN = 64  # byte offset alignment of pieces in a chunk
+# Host-side copies (packing, unpacking, same-process pieces) run on a few threads.
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_THREADED_COPY_BYTES = 1 << 20
+_pool: ThreadPoolExecutor | None = None
+_unpacker: ThreadPoolExecutor | None = None
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One byte buffer per device, moved by one ``ppermute``.
+
+    Attributes:
+      perm: ``(source position, destination position)`` pairs that exchange it.
+      nbytes: bytes per device (the most any of its senders packs).
+      sends: per sending position, ``(copy, byte offset)`` of each piece it packs.
+    """
+
+    perm: tuple[tuple[int, int], ...]
+    nbytes: int
+    sends: dict[int, tuple[tuple[Copy, int], ...]]
+
+
+# A copy between a chunk and a block, precomputed: (chunk index within its stage, first
+# byte, end byte, leaf, the slices of the block, the piece's shape).
+_Op = tuple[int, int, int, int, tuple[slice, ...], tuple[int, ...]]
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def _split_rows(c: Copy, itemsize: int, limit: int) -> list[Copy]:
+    """Splits a copy along its first dimension into parts of at most ``limit`` bytes."""
+    li, s, d, shape, s0, d0 = c
+    nbytes = math.prod(shape) * itemsize
+    if nbytes <= limit or not shape or shape[0] == 1:
+        return [c]
+    step = max(1, limit // (nbytes // shape[0]))
+    return [
+        (
+            li,
+            s,
+            d,
+            (min(step, shape[0] - r), *shape[1:]),
+            (s0[0] + r, *s0[1:]),
+            (d0[0] + r, *d0[1:]),
+        )
+        for r in range(0, shape[0], step)
+    ]
+
+
+def host_chunks(
+    remote: dict[tuple[int, int], list[Copy]], itemsizes: Sequence[int], limit: int
+) -> list[Chunk]:
+    """Packs the cross-process copies of each round into chunks of about equal size.
+
+    Each pair of a round fills its own sequence of buffers of at most about ``limit``
+    bytes (split evenly, pieces cut along their first dimension where needed); buffer
+    ``b`` of the round is one chunk among the pairs that have a ``b``-th buffer, as
+    large as the largest of them. Chunks are ordered buffer-major across rounds (the
+    ``b``-th chunk of every round, then the ``b + 1``-th): in the regular patterns of
+    real shardings, the ``b``-th buffers of all rounds are cut from the same region of
+    each sender's sources, so a stage of consecutive chunks packs each region once.
+    """
+    per_round: list[list[Chunk]] = []
+    for members in common.rounds_of(list(remote)):
+        packed: dict[tuple[int, int], list[tuple[list[tuple[Copy, int]], int]]] = {}
+        for pr in members:
+            total = sum(math.prod(c[3]) * itemsizes[c[0]] for c in remote[pr])
+            target = _round_up(-(-total // max(1, -(-total // limit))), _ALIGN)
+            bufs: list[tuple[list[tuple[Copy, int]], int]] = [([], 0)]
+            for cp in remote[pr]:
+                for part in _split_rows(cp, itemsizes[cp[0]], target):
+                    n = math.prod(part[3]) * itemsizes[part[0]]
+                    items, used = bufs[-1]
+                    off = _round_up(used, _ALIGN)
+                    if used and off + n > target:
+                        bufs.append(([], 0))
+                        items, off = bufs[-1][0], 0
+                    items.append((part, off))
+                    bufs[-1] = (items, off + n)
+            packed[pr] = bufs
+        chunks = []
+        for b in range(max(len(v) for v in packed.values())):
+            have = [pr for pr in members if b < len(packed[pr])]
+            chunks.append(
+                Chunk(
+                    tuple(have),
+                    max(1, max(packed[pr][b][1] for pr in have)),
+                    {pr[0]: tuple(packed[pr][b][0]) for pr in have},
+                )
+            )
+        per_round.append(chunks)
+    depth = max((len(cs) for cs in per_round), default=0)
+    return [cs[b] for b in range(depth) for cs in per_round if b < len(cs)]
+
+
+def stages_of(chunks: Sequence[Chunk], limit: int) -> list[list[int]]:
+    """Groups consecutive chunks into stages of at most ``limit`` bytes per device,
+    smaller where needed to make at least ``MIN_STAGES`` of them."""
+    limit = min(limit, max(1, sum(ch.nbytes for ch in chunks) // MIN_STAGES))
+    stages: list[list[int]] = []
+    used = 0
+    for ci, ch in enumerate(chunks):
+        if not stages or used + ch.nbytes > limit:
+            stages.append([])
+            used = 0
+        stages[-1].append(ci)
+        used += ch.nbytes
+    return stages
+
+
+def _slices(start: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))
+
+
+def _pack_ops(
+    items: Sequence[tuple[int, Copy, int]], blocks: Sequence[LeafBlocks], itemsizes: Sequence[int]
+) -> list[_Op]:
+    """One sender's copies into the chunks of a stage, in source-band order.
+
+    Args:
+      items: ``(chunk index within the stage, copy, byte offset)`` of every piece.
+
+    Pieces are cut at band boundaries of their source block (every ``BAND_BYTES`` of
+    its rows) and sorted by array and band, so all pieces cut from one band are
+    written while it is in cache.
+    """
+    keyed = []
+    for k, (li, _, _, shape, s0, _), off in items:
+        src_rows = blocks[li].src_block
+        row_bytes = math.prod(src_rows[1:]) * itemsizes[li]
+        band = max(1, BAND_BYTES // max(1, row_bytes))
+        piece_row = math.prod(shape[1:]) * itemsizes[li]
+        r = 0
+        while r < shape[0]:
+            top = s0[0] + r
+            n = min(shape[0] - r, band - top % band)
+            start = off + r * piece_row
+            part = (n, *shape[1:])
+            keyed.append(
+                (
+                    (li, top // band, s0[1:], k, start),
+                    (k, start, start + n * piece_row, li, _slices((top, *s0[1:]), part), part),
+                )
+            )
+            r += n
+    keyed.sort(key=lambda kv: kv[0])
+    return [op for _, op in keyed]
+
+
+def _unpack_ops(items: Sequence[tuple[int, Copy, int]], itemsizes: Sequence[int]) -> list[_Op]:
+    """One receiver's copies out of the chunks of a stage into its destination blocks."""
+    return [
+        (k, off, off + math.prod(shape) * itemsizes[li], li, _slices(d0, shape), shape)
+        for k, (li, _, _, shape, _, d0), off in items
+    ]
+
+
+class HostSchedule:
+    """What this process packs, sends, unpacks and copies locally, per stage.
+
+    Args:
+      copies: every copy of the plan, in union-mesh coordinates.
+      blocks: block shapes per array.
+      itemsizes: bytes per element per array.
+      process: the process index of each union-mesh position.
+      me: this process's index.
+    """
+
+    def __init__(
+        self,
+        copies: Sequence[Copy],
+        blocks: Sequence[LeafBlocks],
+        itemsizes: Sequence[int],
+        process: Sequence[int],
+        me: int,
+    ) -> None:
+        remote: dict[tuple[int, int], list[Copy]] = defaultdict(list)
+        # Per array: destination position -> copies within one process (no network).
+        self.local_copies: list[dict[int, list[Copy]]] = [{} for _ in blocks]
+        for c in copies:
+            if process[c[1]] != process[c[2]]:
+                remote[(c[1], c[2])].append(c)
+            elif process[c[2]] == me:
+                self.local_copies[c[0]].setdefault(c[2], []).append(c)
+        self.chunks = host_chunks(remote, itemsizes, CHUNK_BYTES)
+        self.stages = stages_of(self.chunks, STAGE_BYTES)
+        # Per stage: local sending position -> pack ops; local receiving position ->
+        # unpack ops.
+        self.pack: list[dict[int, list[_Op]]] = []
+        self.unpack: list[dict[int, list[_Op]]] = []
+        for stage in self.stages:
+            sends: dict[int, list[tuple[int, Copy, int]]] = defaultdict(list)
+            recvs: dict[int, list[tuple[int, Copy, int]]] = defaultdict(list)
+            for k, ci in enumerate(stage):
+                for pos, items in self.chunks[ci].sends.items():
+                    for cp, off in items:
+                        if process[pos] == me:
+                            sends[pos].append((k, cp, off))
+                        if process[cp[2]] == me:
+                            recvs[cp[2]].append((k, cp, off))
+            self.pack.append({p: _pack_ops(v, blocks, itemsizes) for p, v in sends.items()})
+            self.unpack.append({p: _unpack_ops(v, itemsizes) for p, v in recvs.items()})
+        # Stands in for the chunk of a device that sends nothing in it: never written,
+        # never read, so its pages are never touched.
+        self.idle = _compat.aligned_empty(
+            (max((ch.nbytes for ch in self.chunks), default=1),), np.dtype(np.uint8)
+        )
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="reshard-collective-copy")
+    return _pool
+
+
+def _unpack_pool() -> ThreadPoolExecutor:
+    global _unpacker
+    if _unpacker is None:
+        _unpacker = ThreadPoolExecutor(1, thread_name_prefix="reshard-collective-unpack")
+    return _unpacker
+
+
+def _run_all(tasks: Sequence[tuple[int, Callable[[], None]]]) -> None:
+    """Runs ``(bytes, copy task)``s: large ones on a few threads (numpy releases the GIL
+    while copying, and first-touch page faults of fresh memory then happen in parallel
+    too), small ones right here (a thread hand-off costs more than they do)."""
+    big = [t for n, t in tasks if n >= _THREADED_COPY_BYTES]
+    pending = [_copy_pool().submit(t) for t in big] if len(big) > 1 and COPY_THREADS > 1 else []
+    if not pending:
+        for t in big:
+            t()
+    for n, t in tasks:
+        if n < _THREADED_COPY_BYTES:
+            t()
+    for f in pending:
+        f.result()
+
+
+def _fill(bufs: Sequence[np.ndarray], views: dict[int, np.ndarray], ops: Sequence[_Op]) -> None:
+    """Packs one sender's pieces into its chunks of a stage."""
+    for k, a, b, li, sl, shape in ops:
+        src = views[li]
+        bufs[k][a:b].view(src.dtype).reshape(shape)[...] = src[sl]
+
+
+def _take(raws: Sequence[Any], outs: dict[int, np.ndarray], ops: Sequence[_Op]) -> None:
+    """Copies one receiver's pieces out of the chunks that arrived into its blocks."""
+    got: dict[int, np.ndarray] = {}
+    for k, a, b, li, sl, shape in ops:
+        raw = got.get(k)
+        if raw is None:
+            raw = got[k] = np.asarray(raws[k])  # zero-copy view; waits for the transfer
+        out = outs[li]
+        out[sl] = raw[a:b].view(out.dtype).reshape(shape)
+
+
+def _copy_local(
+    out: np.ndarray, views: dict[int, dict[int, np.ndarray]], copies: Sequence[Copy]
+) -> None:
+    """Copies pieces between devices of this process into one destination block."""
+    for li, s, _, shape, s0, d0 in copies:
+        out[_slices(d0, shape)] = views[s][li][_slices(s0, shape)]
+
+
+def _pack_stage(
+    program: CollectiveProgram, s: int, views: dict[int, dict[int, np.ndarray]]
+) -> list[jax.Array]:
+    """This process's chunks of stage ``s``, as arrays on the union mesh."""
+    sched: HostSchedule = program.host
+    ids = sched.stages[s]
+    rows: list[list[np.ndarray]] = []
+    tasks: list[tuple[int, Callable[[], None]]] = []
+    for d in program.local_devices:
+        pos = program.position[d.id]
+        row = [
+            POOL.take(sched.chunks[ci].nbytes)
+            if pos in sched.chunks[ci].sends
+            else sched.idle[: sched.chunks[ci].nbytes]
+            for ci in ids
+        ]
+        ops = sched.pack[s].get(pos)
+        if ops:
+            nbytes = sum(op[2] - op[1] for op in ops)
+            tasks.append((nbytes, functools.partial(_fill, row, views[pos], ops)))
+        rows.append(row)
+    _run_all(tasks)
+    n = len(program.devices)
+    return [
+        _compat.assemble(
+            (n * sched.chunks[ci].nbytes,),
+            np.dtype(np.uint8),
+            program.block_sharding,
+            [row[k] for row in rows],
+            program.local_devices,
+        )
+        for k, ci in enumerate(ids)
+    ]
+
+
+def _unpack_stage(
+    program: CollectiveProgram,
+    s: int,
+    received: Sequence[jax.Array],
+    sent: Sequence[jax.Array],
+    outs: dict[int, dict[int, np.ndarray]],
+) -> None:
+    """Unpacks stage ``s`` as it arrives, then lets go of its buffers."""
+    ops = program.host.unpack[s]
+    if ops:
+        per_array = [_compat.device_buffers(r) for r in received]
+        tasks = []
+        for pos, pos_ops in ops.items():
+            dev_id = program.devices[pos].id
+            raws = [b[dev_id] for b in per_array]
+            nbytes = sum(op[2] - op[1] for op in pos_ops)
+            tasks.append((nbytes, functools.partial(_take, raws, outs[pos], pos_ops)))
+        _run_all(tasks)
+    # The stage's send buffers return to the pool when XLA lets go of them; a process
+    # that only sends learns here that they have left.
+    jax.block_until_ready(list(received))
+    del sent
+
+
+def run_host_packed(
+    program: CollectiveProgram, sources: Sequence[jax.Array], shardings: Sequence[Any]
+) -> list[jax.Array]:
+    """Runs a host-packed program: this process's part of every stage, then its
+    destination shards."""
+    sched: HostSchedule = program.host
+    position, devices = program.position, program.devices
+    me = jax.process_index()
+    bufs = [_compat.device_buffers(s) for s in sources]
+    # Zero-copy views of this process's source shards, per position and array.
+    views: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
+    for li, b in enumerate(bufs):
+        for dev_id, a in b.items():
+            if dev_id in position:
+                views[position[dev_id]][li] = np.asarray(a).reshape(program.leaves[li].src_block)
+
+    # Destination shards this process builds (not handed over), written once each; from
+    # the pool of warm blocks: fresh memory costs a page fault per 4 KiB.
+    outs: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
+    for li, sharding in enumerate(shardings):
+        for d in _compat.ordered_devices(sharding):
+            pos = position[d.id]
+            if d.process_index == me and pos not in program.reused[li]:
+                outs[pos][li] = host_empty(program.leaves[li].dst_block, program.dtypes[li])
+
+    pending: list[Future[None]] = []
+    if program.local_devices:
+        # A pipeline: this thread packs stage s + 1 while stage s is on the wire (XLA
+        # runs it asynchronously), and a helper thread unpacks each stage on arrival.
+        for s in range(len(sched.stages)):
+            sent = _pack_stage(program, s, views)
+            received = program.compiled(s)(*sent)
+            pending.append(_unpack_pool().submit(_unpack_stage, program, s, received, sent, outs))
+            del sent, received
+
+    # Copies within this process need no network: done while the last stages travel.
+    _run_all(
+        [
+            (outs[pos][li].nbytes, functools.partial(_copy_local, outs[pos][li], views, copies))
+            for li, per_pos in enumerate(sched.local_copies)
+            for pos, copies in per_pos.items()
+        ]
+    )
+    for f in pending:
+        f.result()
+
+    arrays = []
+    for li, sharding in enumerate(shardings):
+        shard_shape = box_shape(program.leaf_plans[li].spec.dst[0].box)
+        parts: list[Any] = []
+        devs = []
+        for d in _compat.ordered_devices(sharding):
+            if d.process_index != me:
+                continue
+            pos = position[d.id]
+            src_pos = program.reused[li].get(pos)
+            if src_pos is not None:
+                parts.append(bufs[li][devices[src_pos].id])
+            else:
+                parts.append(outs[pos][li].reshape(shard_shape))
+            devs.append(d)
+        arrays.append(
+            common.finish(program.leaf_plans[li], program.dtypes[li], sharding, parts, devs)
+        )
+    return arrays
