@@ -5,7 +5,7 @@ each process a ``HostSchedule`` is built; every process packs its chunks
 (``_fill``), the chunks are handed from sender to receiver as the ``ppermute``
 pairs say, and every process unpacks what it got (``_take``) and makes its local
 copies (``_copy_local``). Every destination block must equal the numpy ground truth.
-Tiny chunk, stage and band sizes make pieces split across chunks, stages and bands.
+Tiny chunk and stage sizes make pieces split across chunks and stages.
 """
 
 from __future__ import annotations
@@ -128,7 +128,6 @@ def tiny_buffers() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(host, "CHUNK_BYTES", 192)
         mp.setattr(host, "STAGE_BYTES", 512)
-        mp.setattr(host, "BAND_BYTES", 40)
         yield
 
 
@@ -139,9 +138,9 @@ def test_host_schedule_moves_every_byte_once(leaves, processes, alias, seed) -> 
         simulate(leaves, processes, alias, seed)
 
 
-def test_llm_like_tree_splits_into_stages_and_bands() -> None:
+def test_llm_like_tree_splits_into_chunks_and_stages() -> None:
     """Row-sharded on 4 devices to column-sharded on the other 4: every piece is a
-    strided column block, cut into bands, chunks and stages."""
+    strided column block, cut into chunks and stages."""
     devs = np.array(jax.devices())
     src = NamedSharding(jax.sharding.Mesh(devs[:4], ("f",)), jax.sharding.PartitionSpec("f"))
     dst = NamedSharding(jax.sharding.Mesh(devs[4:], ("t",)), jax.sharding.PartitionSpec(None, "t"))
