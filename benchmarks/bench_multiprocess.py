@@ -68,14 +68,18 @@ def _sync() -> None:
 
 def _time(fns: dict[str, Any], reps: int) -> dict[str, list[float]]:
     """Seconds per call of each function, interleaved: every rep times each function
-    once, so a change in machine load hits all of them alike (this machine is shared)."""
+    once, so a change in machine load hits all of them alike (this machine is shared).
+    The order rotates from rep to rep, so no function always runs after the same one
+    (what ran before decides, for one, how much of the memory a run gets is warm)."""
     import jax
 
     for fn in fns.values():  # warm-up: compiles and caches
         jax.block_until_ready(fn())
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            fn = fns[name]
             _sync()
             t0 = time.perf_counter()
             out = fn()
