@@ -12,7 +12,8 @@ The floor is what this engine cannot beat: one plain ``shard_map`` +
 process 1, on the same union mesh, from buffers that already exist (nothing to
 pack). Over gloo a few large buffers move slower than many smaller ones at once, so
 the floor is timed with the bytes cut into 1 to 64 buffers per pair and the fastest
-is taken. Times are medians of several runs in one launch, every method timed once
+is taken. A second reshard row moves the same tree to the same fsdp layout on process
+1 (weight sync between equal layouts), where every shard travels whole. Times are medians of several runs in one launch, every method timed once
 per round in turn; the ratio ``reshard / floor`` is the figure of merit (target: at
 most 1.5).
 
@@ -110,6 +111,17 @@ def _tree(full: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     return tree, dst
 
 
+def _same_layout(tree: dict[str, Any]) -> dict[str, Any]:
+    """Destinations with the source's layout on the other half of the devices (weight
+    sync between equal layouts: every shard moves whole)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+
+    devs = np.array(jax.devices())
+    mesh = Mesh(devs[len(devs) // 2 :], ("fsdp",))
+    return {path: NamedSharding(mesh, x.sharding.spec) for path, x in tree.items()}
+
+
 def _verify(out: dict[str, Any], full: bool) -> None:
     """Every destination shard this process holds equals the ground truth."""
     for path, (shape, dtype) in llm_tree_shapes(full).items():
@@ -184,8 +196,14 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
         )
         fns[str(chunks)] = functools.partial(fn, *bufs)
     fns["reshard"] = lambda: reshard.reshard(tree, dst, cache_resharding_plans=True)
+    # Weight sync between equal layouts moves the same bytes: every shard whole.
+    same = _same_layout(tree)
+    assert reshard.plan(tree, same).stats.bytes_moved == moved
+    _verify(reshard.reshard(tree, same), full)
+    fns["same"] = lambda: reshard.reshard(tree, same, cache_resharding_plans=True)
     times = _time(fns, reps)
     reshard_t = times.pop("reshard")
+    same_t = times.pop("same")
     floors = times
     program = next(v for v in p._cache.values() if hasattr(v, "collectives"))
     return {
@@ -195,6 +213,7 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
         "collectives": getattr(program, "collectives", None),
         "floor_s": floors,
         "reshard_s": reshard_t,
+        "same_s": same_t,
     }
 
 
@@ -240,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'method':<34}{'median ms':>10}{'MiB/s':>8}{'vs floor':>10}")
     rows = [(f"ppermute, {c} chunk(s) per pair", t) for c, t in floors.items()]
     rows.append(("reshard (collective executor)", ours))
+    rows.append(("reshard, same layout (fsdp->fsdp)", median_of_max("same_s")))
     for name, t in rows:
         print(f"{name:<34}{t * 1e3:>10.1f}{mb / t:>8.0f}{t / floor:>10.2f}")
     print(f"floor = fastest ppermute row; target: reshard within 1.5x (got {ours / floor:.2f}x)")

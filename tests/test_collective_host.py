@@ -47,6 +47,7 @@ def trees(draw):
 
 
 def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
+    """Runs the host schedule of a plan of ``leaves`` split among ``processes``."""
     rng = np.random.default_rng(seed)
     truths = [np.asarray(random_values(rng, shape, dt)) for _, _, shape, dt in leaves]
     xs = [
@@ -99,6 +100,11 @@ def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
                 bufs = [np.zeros(chunks[ci].nbytes, np.uint8) for ci in stage]
                 host._fill(bufs, views[pos], ops)
                 sent[pos] = bufs
+        for k, ci in enumerate(stage):
+            if chunks[ci].whole:  # the source shard itself is sent, nothing packed
+                for pos, ((cp, _),) in chunks[ci].sends.items():
+                    sent.setdefault(pos, [np.zeros(0, np.uint8)] * len(stage))
+                    sent[pos][k] = views[pos][cp[0]].reshape(-1).view(np.uint8)
         for me, sched in enumerate(scheds):
             for pos, ops in sched.unpack[s].items():
                 assert process[pos] == me
@@ -108,7 +114,7 @@ def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
                     assert len(src) <= 1  # a ppermute delivers one buffer per receiver
                     k = stage.index(ci)
                     raws.append(sent[src[0]][k] if src else np.zeros(0, np.uint8))
-                host._take(raws, outs[pos], ops)
+                host._take(raws, outs.setdefault(pos, {}), ops, [t.dtype for t in truths])
                 moved += sum(b - a for _, a, b, *_ in ops)
     for me, sched in enumerate(scheds):
         for li, per_pos in enumerate(sched.local_copies):
@@ -132,9 +138,17 @@ def tiny_buffers() -> Iterator[None]:
 
 
 @settings(max_examples=60)
-@given(trees(), st.integers(2, 4), st.booleans(), st.integers(0, 2**16))
-def test_host_schedule_moves_every_byte_once(leaves, processes, alias, seed) -> None:
-    with tiny_buffers():
+@given(
+    trees(),
+    st.integers(2, 4),
+    st.booleans(),
+    st.integers(0, 2**16),
+    st.sampled_from([(1, 0), (1, 64), (0, 2**30), (64, 2**30)]),
+)
+def test_host_schedule_moves_every_byte_once(leaves, processes, alias, seed, whole) -> None:
+    """``whole``: the sizes of whole shards sent as they are ((1, 0): none)."""
+    with tiny_buffers(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host, "WHOLE_BYTES", whole)
         simulate(leaves, processes, alias, seed)
 
 
@@ -155,3 +169,34 @@ def test_stages_keep_every_chunk_in_order() -> None:
     st_ = host.stages_of(chunks, limit=10)
     assert [ci for s in st_ for ci in s] == list(range(len(sizes)))
     assert all(sum(sizes[ci] for ci in s) <= 10 or len(s) == 1 for s in st_)
+
+
+def test_same_layout_on_other_devices_sends_every_shard_whole() -> None:
+    """Weight sync between equal layouts: every shard is sent as it is and arrives as
+    the destination shard; nothing is packed, unpacked or copied."""
+    devs = np.array(jax.devices())
+    spec = jax.sharding.PartitionSpec("f")
+    src = NamedSharding(jax.sharding.Mesh(devs[:4], ("f",)), spec)
+    dst = NamedSharding(jax.sharding.Mesh(devs[4:], ("f",)), spec)
+    leaves = [(src, dst, (64, 32), "bfloat16"), (src, dst, (32,), "float32")]
+    xs = [jax.ShapeDtypeStruct(shape, dt, sharding=s) for s, _, shape, dt in leaves]
+    p = reshard.plan(xs, [d for _, d, _, _ in leaves], executor="host")
+    ids = sorted({s.device for lp in p.leaf_plans for s in (*lp.spec.src, *lp.spec.dst)})
+    position = {d: k for k, d in enumerate(ids)}
+    blocks, _, copies = all_copies(p.leaf_plans, position, True)
+    process = [0, 0, 0, 0, 1, 1, 1, 1]
+
+    # Shards this small (1 KiB) are packed together by default: one ppermute, not two.
+    sched = host.HostSchedule(copies, blocks, [2, 4], process, 1)
+    assert len(sched.chunks) == 1 and not sched.chunks[0].whole and not sched.arrive_whole
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host, "WHOLE_BYTES", (0, 2**30))
+        simulate(leaves, 2, True, 1)
+        for me in (0, 1):
+            sched = host.HostSchedule(copies, blocks, [2, 4], process, me)
+            assert sched.chunks and all(ch.whole for ch in sched.chunks)
+            assert not any(sched.pack) and not any(sched.local_copies)
+            ops = [op for st_ in sched.unpack for pos_ops in st_.values() for op in pos_ops]
+            assert all(op[4] is None for op in ops)
+            assert len(sched.arrive_whole) == (8 if me == 1 else 0)

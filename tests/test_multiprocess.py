@@ -48,7 +48,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     from jax.sharding import PartitionSpec as P
 
     import reshard
-    from reshard import _collective_common, _collective_executor
+    from reshard import _collective_common, _collective_executor, _collective_host
 
     devs = np.array(jax.devices())
     n = len(devs)
@@ -134,6 +134,24 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             ns(devs, ("f",), P("f"), "device"),
             ns(devs[::-1], ("t",), P(None, "t"), "pinned_host"),
         )
+
+    def same_layout_on_other_devices() -> None:  # weight sync: shards move whole
+        # Shards this small are normally packed; send every whole shard as it is.
+        whole, _collective_host.WHOLE_BYTES = _collective_host.WHOLE_BYTES, (0, 2**30)
+        reshard.clear_plan_cache()
+        try:
+            src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("f",), P("f"))
+            move(a, src, dst)
+            for dt in (jnp.bfloat16, np.int8, np.bool_):
+                move(_ground_truth((48, 32), dt, 3), src, dst)
+            pinned = ns(devs[:half], ("f",), P("f"), "pinned_host")
+            move(a, pinned, ns(devs[half:], ("f",), P("f")))
+            move(a, src, ns(devs[half:], ("f",), P("f"), "unpinned_host"))
+            # Each shard to its own device (kept) and, whole, to one on another process.
+            move(a, src, ns(devs.reshape(2, -1), ("r", "f"), P("f")))
+        finally:
+            _collective_host.WHOLE_BYTES = whole
+            reshard.clear_plan_cache()
 
     def pytree_of_dtypes_and_keys() -> None:
         hosts = {
@@ -223,6 +241,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             unchanged_shards_kept_or_copied,
             no_union_device_on_some_processes,
             memory_kinds,
+            same_layout_on_other_devices,
             pytree_of_dtypes_and_keys,
             cached_plan_reuses_the_program,
             donation_frees_sources_after_success,
@@ -311,6 +330,7 @@ SCENARIOS = [
     "unchanged_shards_kept_or_copied",
     "no_union_device_on_some_processes",
     "memory_kinds",
+    "same_layout_on_other_devices",
     "pytree_of_dtypes_and_keys",
     "cached_plan_reuses_the_program",
     "donation_frees_sources_after_success",

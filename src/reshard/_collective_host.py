@@ -60,6 +60,16 @@ CHUNK_BYTES = 3 * 2**20
 # is cut into where it has the chunks for it: with one stage nothing would overlap.
 STAGE_BYTES = 12 * 2**20
 MIN_STAGES = 4
+# Whole shards of this many bytes (inclusive range) that move between processes are
+# sent as they are: no packing, and what arrives is the destination shard (no
+# unpacking). Smaller ones are packed together (a ppermute of its own costs more
+# latency than copying them); larger ones are cut into chunks (one huge buffer crosses
+# gloo slowly).
+WHOLE_BYTES = (2**20, 16 * 2**20)
+# Bytes per device in one stage of whole shards. With nothing to pack or unpack, a few
+# large stages beat many small ones (each waits for the one before), but every device
+# that receives nothing in a ppermute still gets a zero-filled output of its size.
+WHOLE_STAGE_BYTES = 32 * 2**20
 _ALIGN = 64  # byte offset alignment of pieces in a chunk
 # Host-side copies (packing, unpacking, same-process pieces) run on a few threads.
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -76,16 +86,21 @@ class Chunk:
       perm: ``(source position, destination position)`` pairs that exchange it.
       nbytes: bytes per device (the most any of its senders packs).
       sends: per sending position, ``(copy, byte offset)`` of each piece it packs.
+      whole: every sender sends one whole source shard that is one whole destination
+        shard: the source shard itself is sent and what arrives is the destination
+        shard, nothing is packed or unpacked.
     """
 
     perm: tuple[tuple[int, int], ...]
     nbytes: int
     sends: dict[int, tuple[tuple[Copy, int], ...]]
+    whole: bool = False
 
 
 # A copy between a chunk and a block, precomputed: (chunk index within its stage, first
-# byte, end byte, leaf, the slices of the block, the piece's shape).
-_Op = tuple[int, int, int, int, tuple[slice, ...], tuple[int, ...]]
+# byte, end byte, leaf, the slices of the block, the piece's shape). Slices are None
+# where the chunk is handed over whole (``Chunk.whole``).
+_Op = tuple[int, int, int, int, tuple[slice, ...] | None, tuple[int, ...]]
 
 
 def _round_up(n: int, k: int) -> int:
@@ -152,13 +167,32 @@ def host_chunks(
     return chunks
 
 
-def stages_of(chunks: Sequence[Chunk], limit: int) -> list[list[int]]:
+def whole_chunks(moves: Sequence[Copy], itemsizes: Sequence[int]) -> list[Chunk]:
+    """Chunks of whole shards sent as they are: per array, one per round of its moves."""
+    per_leaf: dict[int, dict[tuple[int, int], Copy]] = defaultdict(dict)
+    for c in moves:
+        per_leaf[c[0]][(c[1], c[2])] = c
+    chunks = []
+    for li, by_pair in sorted(per_leaf.items()):
+        nbytes = math.prod(next(iter(by_pair.values()))[3]) * itemsizes[li]
+        for members in common.rounds_of(list(by_pair)):
+            sends: dict[int, tuple[tuple[Copy, int], ...]] = {
+                pr[0]: ((by_pair[pr], 0),) for pr in members
+            }
+            chunks.append(Chunk(members, nbytes, sends, whole=True))
+    return chunks
+
+
+def stages_of(
+    chunks: Sequence[Chunk], limit: int, min_stages: int = 1, first: int = 0
+) -> list[list[int]]:
     """Groups consecutive chunks into stages of at most ``limit`` bytes per device,
-    smaller where needed to make at least ``MIN_STAGES`` of them."""
-    limit = min(limit, max(1, sum(ch.nbytes for ch in chunks) // MIN_STAGES))
+    smaller where needed to make at least ``min_stages`` of them; chunk indices
+    start at ``first``."""
+    limit = min(limit, max(1, sum(ch.nbytes for ch in chunks) // min_stages))
     stages: list[list[int]] = []
     used = 0
-    for ci, ch in enumerate(chunks):
+    for ci, ch in enumerate(chunks, start=first):
         if not stages or used + ch.nbytes > limit:
             stages.append([])
             used = 0
@@ -171,18 +205,25 @@ def _slices(start: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))
 
 
-def _ops(items: Sequence[tuple[int, Copy, int]], itemsizes: Sequence[int], send: bool) -> list[_Op]:
+def _ops(
+    items: Sequence[tuple[int, Copy, int, bool]], itemsizes: Sequence[int], send: bool
+) -> list[_Op]:
     """Precomputed copies between the chunks of a stage and the blocks of one device.
 
     Args:
-      items: ``(chunk index within the stage, copy, byte offset)`` of every piece.
+      items: ``(chunk index within the stage, copy, byte offset, whole chunk)`` of
+        every piece.
       itemsizes: bytes per element per array.
       send: the sender's ops (out of source blocks) or the receiver's (into
         destination blocks).
     """
-    ops = []
-    for k, (li, _, _, shape, s0, d0), off in items:
+    ops: list[_Op] = []
+    for k, (li, _, _, shape, s0, d0), off, whole in items:
         end = off + math.prod(shape) * itemsizes[li]
+        if whole:  # nothing to pack; the receiver takes the chunk as it is
+            if not send:
+                ops.append((k, off, end, li, None, shape))
+            continue
         ops.append((k, off, end, li, _slices(s0 if send else d0, shape), shape))
     return ops
 
@@ -207,30 +248,48 @@ class HostSchedule:
         me: int,
     ) -> None:
         remote: dict[tuple[int, int], list[Copy]] = defaultdict(list)
+        moves: list[Copy] = []  # whole shards to send as they are
         # Per array: destination position -> copies within one process (no network).
         self.local_copies: list[dict[int, list[Copy]]] = [{} for _ in blocks]
         for c in copies:
-            if process[c[1]] != process[c[2]]:
+            li, shape = c[0], c[3]
+            if process[c[1]] == process[c[2]]:
+                if process[c[2]] == me:
+                    self.local_copies[li].setdefault(c[2], []).append(c)
+            elif (
+                shape == blocks[li].src_block == blocks[li].dst_block
+                and WHOLE_BYTES[0] <= math.prod(shape) * itemsizes[li] <= WHOLE_BYTES[1]
+            ):
+                moves.append(c)
+            else:
                 remote[(c[1], c[2])].append(c)
-            elif process[c[2]] == me:
-                self.local_copies[c[0]].setdefault(c[2], []).append(c)
-        self.chunks = host_chunks(remote, itemsizes, CHUNK_BYTES)
-        self.stages = stages_of(self.chunks, STAGE_BYTES)
+        # Whole shards first: nothing to pack, so they leave at once while the first
+        # packed stage is being packed. Packed stages are made small enough to overlap.
+        whole = whole_chunks(moves, itemsizes)
+        packed = host_chunks(remote, itemsizes, CHUNK_BYTES)
+        self.chunks = whole + packed
+        self.stages = stages_of(whole, WHOLE_STAGE_BYTES) + stages_of(
+            packed, STAGE_BYTES, MIN_STAGES, first=len(whole)
+        )
+        # (array, destination position) of this process that arrive whole.
+        self.arrive_whole = {(c[0], c[2]) for c in moves if process[c[2]] == me}
         # Per stage: local sending position -> pack ops; local receiving position ->
         # unpack ops.
         self.pack: list[dict[int, list[_Op]]] = []
         self.unpack: list[dict[int, list[_Op]]] = []
         for stage in self.stages:
-            sends: dict[int, list[tuple[int, Copy, int]]] = defaultdict(list)
-            recvs: dict[int, list[tuple[int, Copy, int]]] = defaultdict(list)
+            sends: dict[int, list[tuple[int, Copy, int, bool]]] = defaultdict(list)
+            recvs: dict[int, list[tuple[int, Copy, int, bool]]] = defaultdict(list)
             for k, ci in enumerate(stage):
-                for pos, items in self.chunks[ci].sends.items():
+                ch = self.chunks[ci]
+                for pos, items in ch.sends.items():
                     for cp, off in items:
                         if process[pos] == me:
-                            sends[pos].append((k, cp, off))
+                            sends[pos].append((k, cp, off, ch.whole))
                         if process[cp[2]] == me:
-                            recvs[cp[2]].append((k, cp, off))
-            self.pack.append({p: _ops(v, itemsizes, send=True) for p, v in sends.items()})
+                            recvs[cp[2]].append((k, cp, off, ch.whole))
+            packs = {p: _ops(v, itemsizes, send=True) for p, v in sends.items()}
+            self.pack.append({p: ops for p, ops in packs.items() if ops})
             self.unpack.append({p: _ops(v, itemsizes, send=False) for p, v in recvs.items()})
         # Stands in for the chunk of a device that sends nothing in it: never written,
         # never read, so its pages are never touched.
@@ -276,15 +335,24 @@ def _fill(bufs: Sequence[np.ndarray], views: dict[int, np.ndarray], ops: Sequenc
         bufs[k][a:b].view(src.dtype).reshape(shape)[...] = src[sl]
 
 
-def _take(raws: Sequence[Any], outs: dict[int, np.ndarray], ops: Sequence[_Op]) -> None:
-    """Copies one receiver's pieces out of the chunks that arrived into its blocks."""
+def _take(
+    raws: Sequence[Any],
+    outs: dict[int, np.ndarray],
+    ops: Sequence[_Op],
+    dtypes: Sequence[np.dtype],
+) -> None:
+    """Copies one receiver's pieces out of the chunks that arrived into its blocks;
+    a chunk that is a whole block becomes that block."""
     got: dict[int, np.ndarray] = {}
     for k, a, b, li, sl, shape in ops:
         raw = got.get(k)
         if raw is None:
             raw = got[k] = np.asarray(raws[k])  # zero-copy view; waits for the transfer
-        out = outs[li]
-        out[sl] = raw[a:b].view(out.dtype).reshape(shape)
+        if sl is None:
+            outs[li] = raw[a:b].view(dtypes[li]).reshape(shape)
+        else:
+            out = outs[li]
+            out[sl] = raw[a:b].view(out.dtype).reshape(shape)
 
 
 def _copy_local(
@@ -305,12 +373,16 @@ def _pack_stage(
     tasks: list[tuple[int, Callable[[], None]]] = []
     for d in program.local_devices:
         pos = program.position[d.id]
-        row = [
-            POOL.take(sched.chunks[ci].nbytes)
-            if pos in sched.chunks[ci].sends
-            else sched.idle[: sched.chunks[ci].nbytes]
-            for ci in ids
-        ]
+        row = []
+        for ci in ids:
+            ch = sched.chunks[ci]
+            if pos not in ch.sends:
+                row.append(sched.idle[: ch.nbytes])
+            elif ch.whole:  # the source shard itself, zero-copy
+                li = ch.sends[pos][0][0][0]
+                row.append(views[pos][li].reshape(-1).view(np.uint8))
+            else:
+                row.append(POOL.take(ch.nbytes))
         ops = sched.pack[s].get(pos)
         if ops:
             nbytes = sum(op[2] - op[1] for op in ops)
@@ -346,7 +418,8 @@ def _unpack_stage(
             dev_id = program.devices[pos].id
             raws = [b[dev_id] for b in per_array]
             nbytes = sum(op[2] - op[1] for op in pos_ops)
-            tasks.append((nbytes, functools.partial(_take, raws, outs[pos], pos_ops)))
+            take = functools.partial(_take, raws, outs[pos], pos_ops, program.dtypes)
+            tasks.append((nbytes, take))
         _run_all(tasks)
     # The stage's send buffers return to the pool when XLA lets go of them; a process
     # that only sends learns here that they have left.
@@ -372,12 +445,16 @@ def run_host_packed(
 
     # Destination shards this process builds (not handed over), written once each; from
     # the pool of warm blocks: fresh memory costs a page fault per 4 KiB.
-    outs: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
+    outs: dict[int, dict[int, np.ndarray]] = {}
     for li, sharding in enumerate(shardings):
         for d in _compat.ordered_devices(sharding):
             pos = position[d.id]
-            if d.process_index == me and pos not in program.reused[li]:
-                outs[pos][li] = host_empty(program.leaves[li].dst_block, program.dtypes[li])
+            if d.process_index != me or pos in program.reused[li]:
+                continue
+            # Every position's dict exists before the unpacking threads start.
+            mine = outs.setdefault(pos, {})
+            if (li, pos) not in sched.arrive_whole:  # else the arriving chunk is the block
+                mine[li] = host_empty(program.leaves[li].dst_block, program.dtypes[li])
 
     pending: list[Future[None]] = []
     if program.local_devices:
