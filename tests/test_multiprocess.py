@@ -149,6 +149,9 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             move(a, src, ns(devs[half:], ("f",), P("f"), "unpinned_host"))
             # Each shard to its own device (kept) and, whole, to one on another process.
             move(a, src, ns(devs.reshape(2, -1), ("r", "f"), P("f")))
+            x = make(a, src)  # the source buffers themselves were sent: donate them
+            check(reshard.reshard(x, dst, donate=True), a, dst)
+            assert x.is_deleted()
         finally:
             _collective_host.WHOLE_BYTES = whole
             reshard.clear_plan_cache()
