@@ -1,4 +1,5 @@
-"""Host memory for destination shards on CPU, recycled between reshards.
+"""Host memory for destination shards (and the collective executor's send buffers)
+on CPU, recycled between reshards.
 
 Why: writing into freshly mapped memory costs a page fault per 4 KiB, which makes
 filling a new buffer two to three times slower than copying into warm memory. XLA's
