@@ -91,7 +91,8 @@ def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
         assert s.stages == scheds[0].stages
     chunks, stages = scheds[0].chunks, scheds[0].stages
     assert sorted(ci for st_ in stages for ci in st_) == list(range(len(chunks)))
-    moved = 0
+    dtypes = [t.dtype for t in truths]
+    sent_bytes = 0
     for s, stage in enumerate(stages):
         sent: dict[int, list[np.ndarray]] = {}  # sending position -> its chunk buffers
         for me, sched in enumerate(scheds):
@@ -101,21 +102,27 @@ def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
                 host._fill(bufs, views[pos], ops)
                 sent[pos] = bufs
         for k, ci in enumerate(stage):
-            if chunks[ci].whole:  # the source shard itself is sent, nothing packed
-                for pos, ((cp, _),) in chunks[ci].sends.items():
+            ch = chunks[ci]
+            for pos, items in ch.sends.items():
+                if ch.whole:  # the source shard itself is sent, nothing packed
+                    ((cp, _),) = items
                     sent.setdefault(pos, [np.zeros(0, np.uint8)] * len(stage))
                     sent[pos][k] = views[pos][cp[0]].reshape(-1).view(np.uint8)
+                    sent_bytes += ch.nbytes
+                else:
+                    sent_bytes += sum(math.prod(c[3]) * itemsizes[c[0]] for c, _ in items)
+        # A ppermute delivers one buffer per receiver: what lands where.
+        landed: dict[int, list[np.ndarray]] = {}
+        for k, ci in enumerate(stage):
+            receivers = [b for _, b in chunks[ci].perm]
+            assert len(set(receivers)) == len(receivers)
+            for a, b in chunks[ci].perm:
+                landed.setdefault(b, [np.zeros(0, np.uint8)] * len(stage))[k] = sent[a][k]
         for me, sched in enumerate(scheds):
-            for pos, ops in sched.unpack[s].items():
+            for pos, (_, ops) in sched.unpack[s].items():
                 assert process[pos] == me
-                raws = []
-                for ci in stage:
-                    src = [a for a, b in chunks[ci].perm if b == pos]
-                    assert len(src) <= 1  # a ppermute delivers one buffer per receiver
-                    k = stage.index(ci)
-                    raws.append(sent[src[0]][k] if src else np.zeros(0, np.uint8))
-                host._take(raws, outs.setdefault(pos, {}), ops, [t.dtype for t in truths])
-                moved += sum(b - a for _, a, b, *_ in ops)
+                assert all(process[op[1]] == me for op in ops)  # reads what reached it
+                host._take(landed, outs.setdefault(pos, {}), ops, dtypes)
     for me, sched in enumerate(scheds):
         for li, per_pos in enumerate(sched.local_copies):
             for pos, cps in per_pos.items():
@@ -124,9 +131,16 @@ def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
 
     for (pos, li), want in expect.items():
         np.testing.assert_array_equal(outs[pos][li].view(np.uint8), want.view(np.uint8))
-    # Exactly the bytes that change process travel, each once.
+    # What crosses processes: at most every crossing piece once, and at least every
+    # byte some other process needs, once per such process.
     cross = sum(math.prod(c[3]) * itemsizes[c[0]] for c in copies if process[c[1]] != process[c[2]])
-    assert moved == cross
+    needed: dict[tuple[int, int, int], np.ndarray] = {}
+    for li, s_, d, shape, s0, _ in copies:
+        if process[s_] != process[d]:
+            mask = needed.setdefault((li, s_, process[d]), np.zeros(blocks[li].src_block, bool))
+            mask[tuple(slice(a, a + n) for a, n in zip(s0, shape, strict=True))] = True
+    union = sum(int(m.sum()) * itemsizes[li] for (li, _, _), m in needed.items())
+    assert union <= sent_bytes <= cross
 
 
 @contextlib.contextmanager
@@ -155,12 +169,46 @@ def test_host_schedule_moves_every_byte_once(leaves, processes, alias, seed, who
 def test_llm_like_tree_splits_into_chunks_and_stages() -> None:
     """Row-sharded on 4 devices to column-sharded on the other 4: every piece is a
     strided column block, cut into chunks and stages."""
+    with tiny_buffers():
+        simulate(fsdp_to_tp(), 2, True, 0)
+
+
+def fsdp_to_tp() -> list:
     devs = np.array(jax.devices())
     src = NamedSharding(jax.sharding.Mesh(devs[:4], ("f",)), jax.sharding.PartitionSpec("f"))
     dst = NamedSharding(jax.sharding.Mesh(devs[4:], ("t",)), jax.sharding.PartitionSpec(None, "t"))
-    leaves = [(src, dst, (64, 32), "bfloat16"), (src, dst, (32, 16), "float32")]
-    with tiny_buffers():
-        simulate(leaves, 2, True, 0)
+    return [(src, dst, (64, 32), "bfloat16"), (src, dst, (32, 16), "float32")]
+
+
+def blocks_and_copies(leaves) -> tuple:
+    """Block shapes and copies of the plan of ``leaves`` (device ids are positions)."""
+    xs = [jax.ShapeDtypeStruct(shape, dt, sharding=s) for s, _, shape, dt in leaves]
+    p = reshard.plan(xs, [d for _, d, _, _ in leaves], executor="host")
+    ids = sorted({s.device for lp in p.leaf_plans for s in (*lp.spec.src, *lp.spec.dst)})
+    position = {d: k for k, d in enumerate(ids)}
+    blocks, _, copies = all_copies(p.leaf_plans, position, True)
+    return blocks, copies
+
+
+def test_a_process_that_needs_whole_source_shards_gets_them_unpacked() -> None:
+    """fsdp -> tp across processes: the other process needs every byte of each source
+    shard, so each shard is sent once as it is (nothing packed) and the receiving
+    process cuts the four column blocks out of it."""
+    leaves = fsdp_to_tp()
+    blocks, copies = blocks_and_copies(leaves)
+    process = [0, 0, 0, 0, 1, 1, 1, 1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host, "WHOLE_BYTES", (0, 2**30))
+        simulate(leaves, 2, True, 2)
+        sender = host.HostSchedule(copies, blocks, [2, 4], process, 0)
+        receiver = host.HostSchedule(copies, blocks, [2, 4], process, 1)
+    assert all(ch.whole for ch in sender.chunks) and not any(sender.pack)
+    # One shard per source device and array lands, spread over the receiving devices.
+    lands = [b for ch in sender.chunks for _, b in ch.perm]
+    assert len(lands) == 8 and sorted(set(lands)) == [4, 5, 6, 7]
+    takes = [op for st_ in receiver.unpack for _, ops in st_.values() for op in ops]
+    assert len(takes) == 2 * 4 * 4  # every (array, source, destination) piece once
+    assert not receiver.arrive_whole  # every destination block is assembled
 
 
 def test_stages_keep_every_chunk_in_order() -> None:
@@ -179,11 +227,7 @@ def test_same_layout_on_other_devices_sends_every_shard_whole() -> None:
     src = NamedSharding(jax.sharding.Mesh(devs[:4], ("f",)), spec)
     dst = NamedSharding(jax.sharding.Mesh(devs[4:], ("f",)), spec)
     leaves = [(src, dst, (64, 32), "bfloat16"), (src, dst, (32,), "float32")]
-    xs = [jax.ShapeDtypeStruct(shape, dt, sharding=s) for s, _, shape, dt in leaves]
-    p = reshard.plan(xs, [d for _, d, _, _ in leaves], executor="host")
-    ids = sorted({s.device for lp in p.leaf_plans for s in (*lp.spec.src, *lp.spec.dst)})
-    position = {d: k for k, d in enumerate(ids)}
-    blocks, _, copies = all_copies(p.leaf_plans, position, True)
+    blocks, copies = blocks_and_copies(leaves)
     process = [0, 0, 0, 0, 1, 1, 1, 1]
 
     # Shards this small (1 KiB) are packed together by default: one ppermute, not two.
@@ -197,6 +241,6 @@ def test_same_layout_on_other_devices_sends_every_shard_whole() -> None:
             sched = host.HostSchedule(copies, blocks, [2, 4], process, me)
             assert sched.chunks and all(ch.whole for ch in sched.chunks)
             assert not any(sched.pack) and not any(sched.local_copies)
-            ops = [op for st_ in sched.unpack for pos_ops in st_.values() for op in pos_ops]
-            assert all(op[4] is None for op in ops)
+            ops = [op for st_ in sched.unpack for _, pos_ops in st_.values() for op in pos_ops]
+            assert all(op[6] is None and op[7] is None for op in ops)  # adopted as they are
             assert len(sched.arrive_whole) == (8 if me == 1 else 0)

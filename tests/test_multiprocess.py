@@ -135,13 +135,19 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             ns(devs[::-1], ("t",), P(None, "t"), "pinned_host"),
         )
 
-    def same_layout_on_other_devices() -> None:  # weight sync: shards move whole
+    def whole_source_shards_sent_as_they_are() -> None:
         # Shards this small are normally packed; send every whole shard as it is.
         whole, _collective_host.WHOLE_BYTES = _collective_host.WHOLE_BYTES, (0, 2**30)
         reshard.clear_plan_cache()
         try:
+            # Weight sync between equal layouts: what arrives is the destination shard.
             src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("f",), P("f"))
             move(a, src, dst)
+            # The receiving processes cut their pieces out of the shards that arrive.
+            move(a, src, ns(devs[half:], ("t",), P(None, "t")))
+            # Several devices of a process need the same bytes: they cross once.
+            move(a, src, ns(devs[half:], ("t",), P()))
+            move(a, ns(devs[half:], ("t",), P(None, "t")), ns(devs[:half], ("f",), P("f")))
             for dt in (jnp.bfloat16, np.int8, np.bool_):
                 move(_ground_truth((48, 32), dt, 3), src, dst)
             pinned = ns(devs[:half], ("f",), P("f"), "pinned_host")
@@ -244,7 +250,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             unchanged_shards_kept_or_copied,
             no_union_device_on_some_processes,
             memory_kinds,
-            same_layout_on_other_devices,
+            whole_source_shards_sent_as_they_are,
             pytree_of_dtypes_and_keys,
             cached_plan_reuses_the_program,
             donation_frees_sources_after_success,
@@ -333,7 +339,7 @@ SCENARIOS = [
     "unchanged_shards_kept_or_copied",
     "no_union_device_on_some_processes",
     "memory_kinds",
-    "same_layout_on_other_devices",
+    "whole_source_shards_sent_as_they_are",
     "pytree_of_dtypes_and_keys",
     "cached_plan_reuses_the_program",
     "donation_frees_sources_after_success",

@@ -1,13 +1,21 @@
 """Host-packed collective transfers: numpy packs, ``ppermute``s move, numpy unpacks.
 
 Used when every device of the union mesh is a CPU, where a device's memory is this
-process's memory. Each sender's pieces are copied once into byte buffers (*chunks*)
-that XLA adopts without a copy; the compiled programs are nothing but ``ppermute``s of
-those chunks; each receiver copies the pieces out of what arrives straight into its
-destination shards. Copies between devices of one process never touch the network.
-A whole source shard that is a whole destination shard needs neither copy: the shard
-itself is sent, and the buffer that arrives becomes the destination shard (weight sync
-between equal layouts on other devices moves every shard this way).
+process's memory, shared by all of the process's devices. The compiled programs are
+nothing but ``ppermute``s of byte buffers (*chunks*); copies between devices of one
+process never touch the network. What crosses between two processes takes one of two
+forms:
+
+* **A whole source shard**, where the receiving process needs all of it (fsdp -> tp:
+  each of its devices needs a column block of every row block). The shard itself is
+  sent, zero-copy, once, to one device of that process, and the process copies every
+  piece out of it into its destination shards: one copy per byte in all, and bytes
+  that several of its devices need cross once. Where the shard is exactly one
+  destination shard (weight sync between equal layouts), the buffer that arrives
+  becomes that shard: no copy at all.
+* **Packed pieces**, elsewhere, and for shards too small to be worth a collective of
+  their own or too large for one buffer: each sender copies its pieces once into a
+  chunk, and the receiver copies them out of what arrives into its destination shards.
 
 What decides the speed on a small machine, where the network (gloo over loopback:
 the kernel copies every byte twice) and the copies share a few cores:
@@ -50,7 +58,7 @@ from . import _collective_common as common
 from . import _compat
 from ._buffers import POOL, host_empty
 from ._collective_common import Copy, LeafBlocks
-from ._geometry import box_shape
+from ._geometry import Box, box_shape, subtract
 
 if TYPE_CHECKING:
     from ._collective_executor import CollectiveProgram
@@ -100,10 +108,16 @@ class Chunk:
     whole: bool = False
 
 
-# A copy between a chunk and a block, precomputed: (chunk index within its stage, first
-# byte, end byte, leaf, the slices of the block, the piece's shape). Slices are None
-# where the chunk is handed over whole (``Chunk.whole``).
-_Op = tuple[int, int, int, int, tuple[slice, ...] | None, tuple[int, ...]]
+# A copy into a chunk, precomputed: (chunk index within its stage, first byte, end
+# byte, leaf, the slices of the source block, the piece's shape).
+_PackOp = tuple[int, int, int, int, tuple[slice, ...], tuple[int, ...]]
+# A copy out of a chunk that arrived, precomputed: (chunk index within its stage, the
+# position it arrived at, first byte, end byte, leaf, the shape those bytes are, the
+# slices of them to take (None: all), the slices of the destination block to write
+# (None: the bytes become the destination block)).
+_TakeOp = tuple[
+    int, int, int, int, int, tuple[int, ...], tuple[slice, ...] | None, tuple[slice, ...] | None
+]
 
 
 def _round_up(n: int, k: int) -> int:
@@ -171,7 +185,12 @@ def host_chunks(
 
 
 def whole_chunks(moves: Sequence[Copy], itemsizes: Sequence[int]) -> list[Chunk]:
-    """Chunks of whole shards sent as they are: per array, one per round of its moves."""
+    """Chunks of whole source shards sent as they are: per array, one per round.
+
+    Args:
+      moves: per whole shard sent, a copy of the whole source block from its device
+        to the device it lands on.
+    """
     per_leaf: dict[int, dict[tuple[int, int], Copy]] = defaultdict(dict)
     for c in moves:
         per_leaf[c[0]][(c[1], c[2])] = c
@@ -208,27 +227,34 @@ def _slices(start: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(a, a + n) for a, n in zip(start, shape, strict=True))
 
 
-def _ops(
-    items: Sequence[tuple[int, Copy, int, bool]], itemsizes: Sequence[int], send: bool
-) -> list[_Op]:
-    """Precomputed copies between the chunks of a stage and the blocks of one device.
+def _pack_ops(items: Sequence[tuple[int, Copy, int]], itemsizes: Sequence[int]) -> list[_PackOp]:
+    """One sender's copies into the chunks of a stage, from ``(chunk index within the
+    stage, copy, byte offset)`` of every piece."""
+    return [
+        (k, off, off + math.prod(shape) * itemsizes[li], li, _slices(s0, shape), shape)
+        for k, (li, _, _, shape, s0, _), off in items
+    ]
 
-    Args:
-      items: ``(chunk index within the stage, copy, byte offset, whole chunk)`` of
-        every piece.
-      itemsizes: bytes per element per array.
-      send: the sender's ops (out of source blocks) or the receiver's (into
-        destination blocks).
-    """
-    ops: list[_Op] = []
-    for k, (li, _, _, shape, s0, d0), off, whole in items:
-        end = off + math.prod(shape) * itemsizes[li]
-        if whole:  # nothing to pack; the receiver takes the chunk as it is
-            if not send:
-                ops.append((k, off, end, li, None, shape))
-            continue
-        ops.append((k, off, end, li, _slices(s0 if send else d0, shape), shape))
-    return ops
+
+def _written(ops: Sequence[_TakeOp], itemsizes: Sequence[int]) -> int:
+    """Bytes that take ops write."""
+    total = 0
+    for _, _, a, b, li, _, take, _ in ops:
+        total += (
+            (b - a) if take is None else math.prod(t.stop - t.start for t in take) * itemsizes[li]
+        )
+    return total
+
+
+def _covers(pieces: Sequence[Copy], block: tuple[int, ...]) -> bool:
+    """Whether the pieces' source boxes together cover the whole source block."""
+    rest: list[Box] = [tuple((0, n) for n in block)]
+    for c in pieces:
+        box = tuple((a, a + n) for a, n in zip(c[4], c[3], strict=True))
+        rest = [r for b in rest for r in subtract(b, box)]
+        if not rest:
+            return True
+    return False
 
 
 class HostSchedule:
@@ -251,49 +277,89 @@ class HostSchedule:
         me: int,
     ) -> None:
         remote: dict[tuple[int, int], list[Copy]] = defaultdict(list)
-        moves: list[Copy] = []  # whole shards to send as they are
         # Per array: destination position -> copies within one process (no network).
         self.local_copies: list[dict[int, list[Copy]]] = [{} for _ in blocks]
+        # Pieces that cross processes, per (array, source position, destination process).
+        crossing: dict[tuple[int, int, int], list[Copy]] = defaultdict(list)
         for c in copies:
-            li, shape = c[0], c[3]
             if process[c[1]] == process[c[2]]:
                 if process[c[2]] == me:
-                    self.local_copies[li].setdefault(c[2], []).append(c)
-            elif (
-                shape == blocks[li].src_block == blocks[li].dst_block
-                and WHOLE_BYTES[0] <= math.prod(shape) * itemsizes[li] <= WHOLE_BYTES[1]
-            ):
-                moves.append(c)
+                    self.local_copies[c[0]].setdefault(c[2], []).append(c)
             else:
-                remote[(c[1], c[2])].append(c)
+                crossing[(c[0], c[1], process[c[2]])].append(c)
+
+        # Where a destination process needs all of a source shard, the shard itself is
+        # sent, once, to one of its devices, and the process copies every piece out of
+        # it: the sender copies nothing, and bytes that several of its devices need
+        # cross once. Elsewhere, each sender packs the pieces.
+        forward = []
+        for (li, src, _), cs in sorted(crossing.items()):
+            nbytes = math.prod(blocks[li].src_block) * itemsizes[li]
+            if WHOLE_BYTES[0] <= nbytes <= WHOLE_BYTES[1] and _covers(cs, blocks[li].src_block):
+                forward.append((nbytes, li, src, cs))
+            else:
+                for c in cs:
+                    remote[(c[1], c[2])].append(c)
+        moves: list[Copy] = []  # whole source blocks: source position -> landing one
+        # Per (array, source position, landing position): what the landing process
+        # takes out of the shard, as (writing position, op without its chunk index).
+        takes: dict[tuple[int, int, int], list[tuple[int, _TakeOp]]] = {}
+        # (array, destination position) of this process whose block is what arrives.
+        self.arrive_whole: set[tuple[int, int]] = set()
+        load: dict[int, int] = defaultdict(int)  # bytes landing on each position
+        for nbytes, li, src, cs in sorted(forward, key=lambda f: (-f[0], f[1], f[2])):
+            src_block, dst_block = blocks[li].src_block, blocks[li].dst_block
+            whole = [c for c in cs if c[3] == src_block == dst_block]
+            # Land on a device whose whole block it is (no copy there), else on the
+            # least loaded device that needs part of it.
+            land = whole[0][2] if whole else min({c[2] for c in cs}, key=lambda d: (load[d], d))
+            load[land] += nbytes
+            zero = (0,) * len(src_block)
+            moves.append((li, src, land, src_block, zero, zero))
+            ops: list[tuple[int, _TakeOp]] = []
+            for c in cs:
+                if whole and c is whole[0]:
+                    ops.append((land, (-1, land, 0, nbytes, li, dst_block, None, None)))
+                    if process[land] == me:
+                        self.arrive_whole.add((li, land))
+                else:
+                    take, put = _slices(c[4], c[3]), _slices(c[5], c[3])
+                    ops.append((c[2], (-1, land, 0, nbytes, li, src_block, take, put)))
+            takes[(li, src, land)] = ops
+
         # Whole shards first: nothing to pack, so they leave at once while the first
         # packed stage is being packed. Packed stages are made small enough to overlap.
-        whole = whole_chunks(moves, itemsizes)
+        whole_chunked = whole_chunks(moves, itemsizes)
         packed = host_chunks(remote, itemsizes, CHUNK_BYTES)
-        self.chunks = whole + packed
-        self.stages = stages_of(whole, WHOLE_STAGE_BYTES) + stages_of(
-            packed, STAGE_BYTES, MIN_STAGES, first=len(whole)
+        self.chunks = whole_chunked + packed
+        self.stages = stages_of(whole_chunked, WHOLE_STAGE_BYTES) + stages_of(
+            packed, STAGE_BYTES, MIN_STAGES, first=len(whole_chunked)
         )
-        # (array, destination position) of this process that arrive whole.
-        self.arrive_whole = {(c[0], c[2]) for c in moves if process[c[2]] == me}
-        # Per stage: local sending position -> pack ops; local receiving position ->
-        # unpack ops.
-        self.pack: list[dict[int, list[_Op]]] = []
-        self.unpack: list[dict[int, list[_Op]]] = []
+        # Per stage: local sending position -> pack ops; local writing position ->
+        # (bytes written, take ops).
+        self.pack: list[dict[int, list[_PackOp]]] = []
+        self.unpack: list[dict[int, tuple[int, list[_TakeOp]]]] = []
         for stage in self.stages:
-            sends: dict[int, list[tuple[int, Copy, int, bool]]] = defaultdict(list)
-            recvs: dict[int, list[tuple[int, Copy, int, bool]]] = defaultdict(list)
+            sends: dict[int, list[tuple[int, Copy, int]]] = defaultdict(list)
+            writes: dict[int, list[_TakeOp]] = defaultdict(list)
             for k, ci in enumerate(stage):
                 ch = self.chunks[ci]
                 for pos, items in ch.sends.items():
                     for cp, off in items:
+                        li, land = cp[0], cp[2]
+                        if ch.whole:
+                            for writer, op in takes[(li, pos, land)]:
+                                if process[writer] == me:
+                                    writes[writer].append((k, *op[1:]))
+                            continue
                         if process[pos] == me:
-                            sends[pos].append((k, cp, off, ch.whole))
-                        if process[cp[2]] == me:
-                            recvs[cp[2]].append((k, cp, off, ch.whole))
-            packs = {p: _ops(v, itemsizes, send=True) for p, v in sends.items()}
-            self.pack.append({p: ops for p, ops in packs.items() if ops})
-            self.unpack.append({p: _ops(v, itemsizes, send=False) for p, v in recvs.items()})
+                            sends[pos].append((k, cp, off))
+                        if process[land] == me:
+                            end = off + math.prod(cp[3]) * itemsizes[li]
+                            put = _slices(cp[5], cp[3])
+                            writes[land].append((k, land, off, end, li, cp[3], None, put))
+            self.pack.append({p: _pack_ops(v, itemsizes) for p, v in sends.items()})
+            self.unpack.append({p: (_written(v, itemsizes), v) for p, v in writes.items()})
         # Stands in for the chunk of a device that sends nothing in it: never written,
         # never read, so its pages are never touched.
         self.idle = _compat.aligned_empty(
@@ -331,7 +397,7 @@ def _run_all(tasks: Sequence[tuple[int, Callable[[], None]]]) -> None:
         f.result()
 
 
-def _fill(bufs: Sequence[np.ndarray], views: dict[int, np.ndarray], ops: Sequence[_Op]) -> None:
+def _fill(bufs: Sequence[np.ndarray], views: dict[int, np.ndarray], ops: Sequence[_PackOp]) -> None:
     """Packs one sender's pieces into its chunks of a stage."""
     for k, a, b, li, sl, shape in ops:
         src = views[li]
@@ -339,23 +405,22 @@ def _fill(bufs: Sequence[np.ndarray], views: dict[int, np.ndarray], ops: Sequenc
 
 
 def _take(
-    raws: Sequence[Any],
+    raws: dict[int, list[np.ndarray]],
     outs: dict[int, np.ndarray],
-    ops: Sequence[_Op],
+    ops: Sequence[_TakeOp],
     dtypes: Sequence[np.dtype],
 ) -> None:
-    """Copies one receiver's pieces out of the chunks that arrived into its blocks;
-    a chunk that is a whole block becomes that block."""
-    got: dict[int, np.ndarray] = {}
-    for k, a, b, li, sl, shape in ops:
-        raw = got.get(k)
-        if raw is None:
-            raw = got[k] = np.asarray(raws[k])  # zero-copy view; waits for the transfer
-        if sl is None:
-            outs[li] = raw[a:b].view(dtypes[li]).reshape(shape)
+    """Copies one device's pieces out of the chunks that arrived (at it or at other
+    devices of this process) into its blocks; a chunk that is a whole block becomes
+    that block."""
+    for k, land, a, b, li, shape, take, put in ops:
+        piece = raws[land][k][a:b].view(dtypes[li]).reshape(shape)
+        if take is not None:
+            piece = piece[take]
+        if put is None:
+            outs[li] = piece
         else:
-            out = outs[li]
-            out[sl] = raw[a:b].view(out.dtype).reshape(shape)
+            outs[li][put] = piece
 
 
 def _copy_local(
@@ -416,14 +481,17 @@ def _unpack_stage(
     ops = program.host.unpack[s]
     if ops:
         per_array = [_compat.device_buffers(r) for r in received]
-        tasks = []
-        for pos, pos_ops in ops.items():
-            dev_id = program.devices[pos].id
-            raws = [b[dev_id] for b in per_array]
-            nbytes = sum(op[2] - op[1] for op in pos_ops)
-            take = functools.partial(_take, raws, outs[pos], pos_ops, program.dtypes)
-            tasks.append((nbytes, take))
-        _run_all(tasks)
+        lands = {op[1] for _, pos_ops in ops.values() for op in pos_ops}
+        # Zero-copy views of what arrived; each waits for its transfer.
+        raws = {
+            land: [np.asarray(b[program.devices[land].id]) for b in per_array] for land in lands
+        }
+        _run_all(
+            [
+                (nbytes, functools.partial(_take, raws, outs[pos], pos_ops, program.dtypes))
+                for pos, (nbytes, pos_ops) in ops.items()
+            ]
+        )
     # The stage's send buffers return to the pool when XLA lets go of them; a process
     # that only sends learns here that they have left.
     jax.block_until_ready(list(received))
