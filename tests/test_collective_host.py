@@ -107,7 +107,8 @@ def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
                 if ch.whole:  # the source shard itself is sent, nothing packed
                     ((cp, _),) = items
                     sent.setdefault(pos, [np.zeros(0, np.uint8)] * len(stage))
-                    sent[pos][k] = views[pos][cp[0]].reshape(-1).view(np.uint8)
+                    rows = tuple(slice(a, a + n) for a, n in zip(cp[4], cp[3], strict=True))
+                    sent[pos][k] = views[pos][cp[0]][rows].reshape(-1).view(np.uint8)
                     sent_bytes += ch.nbytes
                 else:
                     sent_bytes += sum(math.prod(c[3]) * itemsizes[c[0]] for c, _ in items)
@@ -157,7 +158,7 @@ def tiny_buffers() -> Iterator[None]:
     st.integers(2, 4),
     st.booleans(),
     st.integers(0, 2**16),
-    st.sampled_from([(1, 0), (1, 64), (0, 2**30), (64, 2**30)]),
+    st.sampled_from([(1, 0), (1, 64), (0, 100), (0, 2**30), (64, 2**30)]),
 )
 def test_host_schedule_moves_every_byte_once(leaves, processes, alias, seed, whole) -> None:
     """``whole``: the sizes of whole shards sent as they are ((1, 0): none)."""
@@ -209,6 +210,24 @@ def test_a_process_that_needs_whole_source_shards_gets_them_unpacked() -> None:
     takes = [op for st_ in receiver.unpack for _, ops in st_.values() for op in ops]
     assert len(takes) == 2 * 4 * 4  # every (array, source, destination) piece once
     assert not receiver.arrive_whole  # every destination block is assembled
+
+
+def test_large_source_shards_are_sent_in_row_ranges() -> None:
+    """Shards larger than the largest buffer sent whole go as zero-copy row ranges; the
+    receiving process cuts each piece's rows out of every range it overlaps."""
+    leaves = fsdp_to_tp()  # source blocks of 1024 and 512 bytes
+    blocks, copies = blocks_and_copies(leaves)
+    process = [0, 0, 0, 0, 1, 1, 1, 1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host, "WHOLE_BYTES", (0, 256))
+        simulate(leaves, 2, True, 3)
+        sender = host.HostSchedule(copies, blocks, [2, 4], process, 0)
+        receiver = host.HostSchedule(copies, blocks, [2, 4], process, 1)
+    assert all(ch.whole and ch.nbytes <= 256 for ch in sender.chunks) and not any(sender.pack)
+    sent = [(ch.nbytes, len(ch.perm)) for ch in sender.chunks]
+    assert sum(n * pairs for n, pairs in sent) == 4 * (1024 + 512)  # every byte once
+    takes = [op for st_ in receiver.unpack for _, ops in st_.values() for op in ops]
+    assert len(takes) == 4 * 4 * (4 + 2)  # per source, destination and row range
 
 
 def test_stages_keep_every_chunk_in_order() -> None:

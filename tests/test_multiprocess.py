@@ -158,6 +158,11 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             x = make(a, src)  # the source buffers themselves were sent: donate them
             check(reshard.reshard(x, dst, donate=True), a, dst)
             assert x.is_deleted()
+            # Shards larger than one buffer go as row ranges (here 3 of 512 bytes).
+            _collective_host.WHOLE_BYTES = (0, 512)
+            reshard.clear_plan_cache()
+            move(a, src, ns(devs[half:], ("t",), P(None, "t")))
+            move(a, src, dst)
         finally:
             _collective_host.WHOLE_BYTES = whole
             reshard.clear_plan_cache()

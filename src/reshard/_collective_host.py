@@ -8,14 +8,14 @@ forms:
 
 * **A whole source shard**, where the receiving process needs all of it (fsdp -> tp:
   each of its devices needs a column block of every row block). The shard itself is
-  sent, zero-copy, once, to one device of that process, and the process copies every
-  piece out of it into its destination shards: one copy per byte in all, and bytes
-  that several of its devices need cross once. Where the shard is exactly one
-  destination shard (weight sync between equal layouts), the buffer that arrives
-  becomes that shard: no copy at all.
+  sent, zero-copy (in row ranges, if large), once, to one device of that process, and
+  the process copies every piece out of it into its destination shards: one copy per
+  byte in all, and bytes that several of its devices need cross once. Where the shard
+  is exactly one destination shard (weight sync between equal layouts), the buffer
+  that arrives becomes that shard: no copy at all.
 * **Packed pieces**, elsewhere, and for shards too small to be worth a collective of
-  their own or too large for one buffer: each sender copies its pieces once into a
-  chunk, and the receiver copies them out of what arrives into its destination shards.
+  their own: each sender copies its pieces once into a chunk, and the receiver copies
+  them out of what arrives into its destination shards.
 
 What decides the speed on a small machine, where the network (gloo over loopback:
 the kernel copies every byte twice) and the copies share a few cores:
@@ -71,11 +71,10 @@ CHUNK_BYTES = 3 * 2**20
 # is cut into where it has the chunks for it: with one stage nothing would overlap.
 STAGE_BYTES = 12 * 2**20
 MIN_STAGES = 4
-# Whole shards of this many bytes (inclusive range) that move between processes are
-# sent as they are: no packing, and what arrives is the destination shard (no
-# unpacking). Smaller ones are packed into shared chunks, so tiny arrays (norms,
-# biases) do not each cost a ppermute; larger ones are cut into chunks (one huge buffer
-# crosses gloo slowly).
+# Source shards of at least WHOLE_BYTES[0] bytes that a receiving process needs all of
+# are sent as they are (zero-copy), in row ranges of at most WHOLE_BYTES[1] bytes (one
+# huge buffer crosses gloo slowly). Smaller ones are packed into shared chunks, so tiny
+# arrays (norms, biases) do not each cost a ppermute.
 WHOLE_BYTES = (2**20, 16 * 2**20)
 # Bytes per device in one stage of whole shards. On the benchmark's same-layout sync,
 # 16 MiB, 32 MiB and a single stage for everything took the same time; the bound caps
@@ -185,17 +184,17 @@ def host_chunks(
 
 
 def whole_chunks(moves: Sequence[Copy], itemsizes: Sequence[int]) -> list[Chunk]:
-    """Chunks of whole source shards sent as they are: per array, one per round.
+    """Chunks of source rows sent as they are: per array and row range, one per round.
 
     Args:
-      moves: per whole shard sent, a copy of the whole source block from its device
-        to the device it lands on.
+      moves: per row range of a source block sent (all of its rows, or a part of a
+        large block), a copy of those rows from its device to the device they land on.
     """
-    per_leaf: dict[int, dict[tuple[int, int], Copy]] = defaultdict(dict)
+    per_part: dict[tuple[int, int], dict[tuple[int, int], Copy]] = defaultdict(dict)
     for c in moves:
-        per_leaf[c[0]][(c[1], c[2])] = c
+        per_part[(c[0], c[4][0])][(c[1], c[2])] = c
     chunks = []
-    for li, by_pair in sorted(per_leaf.items()):
+    for (li, _), by_pair in sorted(per_part.items()):
         nbytes = math.prod(next(iter(by_pair.values()))[3]) * itemsizes[li]
         for members in common.rounds_of(list(by_pair)):
             sends: dict[int, tuple[tuple[Copy, int], ...]] = {
@@ -294,38 +293,59 @@ class HostSchedule:
         # cross once. Elsewhere, each sender packs the pieces.
         forward = []
         for (li, src, _), cs in sorted(crossing.items()):
-            nbytes = math.prod(blocks[li].src_block) * itemsizes[li]
-            if WHOLE_BYTES[0] <= nbytes <= WHOLE_BYTES[1] and _covers(cs, blocks[li].src_block):
-                forward.append((nbytes, li, src, cs))
+            block = blocks[li].src_block
+            nbytes = math.prod(block) * itemsizes[li]
+            # Sent in this many row ranges of at most WHOLE_BYTES[1] bytes each.
+            parts = -(-nbytes // max(1, WHOLE_BYTES[1]))
+            if (
+                WHOLE_BYTES[1] > 0
+                and WHOLE_BYTES[0] <= nbytes
+                and parts <= block[0]
+                and _covers(cs, block)
+            ):
+                forward.append((nbytes, li, src, cs, parts))
             else:
                 for c in cs:
                     remote[(c[1], c[2])].append(c)
-        moves: list[Copy] = []  # whole source blocks: source position -> landing one
-        # Per (array, source position, landing position): what the landing process
-        # takes out of the shard, as (writing position, op without its chunk index).
-        takes: dict[tuple[int, int, int], list[tuple[int, _TakeOp]]] = {}
+        moves: list[Copy] = []  # source rows sent whole: source position -> landing one
+        # Per (array, source position, landing position, first row): what the landing
+        # process takes out of those rows, as (writing position, op without its chunk
+        # index).
+        takes: dict[tuple[int, int, int, int], list[tuple[int, _TakeOp]]] = {}
         # (array, destination position) of this process whose block is what arrives.
         self.arrive_whole: set[tuple[int, int]] = set()
         load: dict[int, int] = defaultdict(int)  # bytes landing on each position
-        for nbytes, li, src, cs in sorted(forward, key=lambda f: (-f[0], f[1], f[2])):
+        for nbytes, li, src, cs, parts in sorted(forward, key=lambda f: (-f[0], f[1], f[2])):
             src_block, dst_block = blocks[li].src_block, blocks[li].dst_block
-            whole = [c for c in cs if c[3] == src_block == dst_block]
+            whole = [c for c in cs if c[3] == src_block == dst_block and parts == 1]
             # Land on a device whose whole block it is (no copy there), else on the
             # least loaded device that needs part of it.
             land = whole[0][2] if whole else min({c[2] for c in cs}, key=lambda d: (load[d], d))
             load[land] += nbytes
-            zero = (0,) * len(src_block)
-            moves.append((li, src, land, src_block, zero, zero))
-            ops: list[tuple[int, _TakeOp]] = []
-            for c in cs:
-                if whole and c is whole[0]:
-                    ops.append((land, (-1, land, 0, nbytes, li, dst_block, None, None)))
-                    if process[land] == me:
-                        self.arrive_whole.add((li, land))
-                else:
-                    take, put = _slices(c[4], c[3]), _slices(c[5], c[3])
-                    ops.append((c[2], (-1, land, 0, nbytes, li, src_block, take, put)))
-            takes[(li, src, land)] = ops
+            rows = src_block[0] if src_block else 1
+            step = -(-rows // parts)
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                part = (r1 - r0, *src_block[1:])
+                start = (r0,) + (0,) * (len(src_block) - 1)
+                moves.append((li, src, land, part, start, start))
+                size = math.prod(part) * itemsizes[li]
+                ops: list[tuple[int, _TakeOp]] = []
+                for c in cs:
+                    if whole and c is whole[0]:
+                        ops.append((land, (-1, land, 0, size, li, dst_block, None, None)))
+                        if process[land] == me:
+                            self.arrive_whole.add((li, land))
+                        continue
+                    # The rows of piece c within [r0, r1), in the part and in its block.
+                    a, b = max(r0, c[4][0]), min(r1, c[4][0] + c[3][0])
+                    if a >= b:
+                        continue
+                    shape = (b - a, *c[3][1:])
+                    take = _slices((a - r0, *c[4][1:]), shape)
+                    put = _slices((c[5][0] + a - c[4][0], *c[5][1:]), shape)
+                    ops.append((c[2], (-1, land, 0, size, li, part, take, put)))
+                takes[(li, src, land, r0)] = ops
 
         # Whole shards first: nothing to pack, so they leave at once while the first
         # packed stage is being packed. Packed stages are made small enough to overlap.
@@ -348,7 +368,7 @@ class HostSchedule:
                     for cp, off in items:
                         li, land = cp[0], cp[2]
                         if ch.whole:
-                            for writer, op in takes[(li, pos, land)]:
+                            for writer, op in takes[(li, pos, land, cp[4][0])]:
                                 if process[writer] == me:
                                     writes[writer].append((k, *op[1:]))
                             continue
@@ -446,9 +466,9 @@ def _pack_stage(
             ch = sched.chunks[ci]
             if pos not in ch.sends:
                 row.append(sched.idle[: ch.nbytes])
-            elif ch.whole:  # the source shard itself, zero-copy
-                li = ch.sends[pos][0][0][0]
-                row.append(views[pos][li].reshape(-1).view(np.uint8))
+            elif ch.whole:  # rows of the source shard itself, zero-copy
+                (((li, _, _, shape, s0, _), _),) = ch.sends[pos]
+                row.append(views[pos][li][_slices(s0, shape)].reshape(-1).view(np.uint8))
             else:
                 row.append(POOL.take(ch.nbytes))
         ops = sched.pack[s].get(pos)
