@@ -96,9 +96,9 @@ class Chunk:
       perm: ``(source position, destination position)`` pairs that exchange it.
       nbytes: bytes per device (the most any of its senders packs).
       sends: per sending position, ``(copy, byte offset)`` of each piece it packs.
-      whole: every sender sends one whole source shard that is one whole destination
-        shard: the source shard itself is sent and what arrives is the destination
-        shard, nothing is packed or unpacked.
+      whole: every sender sends rows of one source shard as they are (zero-copy,
+        nothing packed); the receiving process cuts its pieces out of what arrives,
+        or takes it as a destination shard where it is exactly one.
     """
 
     perm: tuple[tuple[int, int], ...]
