@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,6 +55,7 @@ import numpy as np
 
 from . import _collective_common as common
 from . import _compat
+from . import _local_executor as local
 from ._buffers import POOL, host_empty
 from ._collective_common import Copy, LeafBlocks
 from ._geometry import Box, box_shape, subtract
@@ -81,10 +81,9 @@ WHOLE_BYTES = (2**20, 16 * 2**20)
 # the zero-filled outputs XLA makes for devices that receive nothing in a ppermute.
 WHOLE_STAGE_BYTES = 32 * 2**20
 _ALIGN = 64  # byte offset alignment of pieces in a chunk
-# Host-side copies (packing, unpacking, same-process pieces) run on a few threads.
-COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Host-side copies (packing, unpacking, same-process pieces) of at least this many
+# bytes run on the local executor's copy threads.
 _THREADED_COPY_BYTES = 1 << 20
-_pool: ThreadPoolExecutor | None = None
 _unpacker: ThreadPoolExecutor | None = None
 
 
@@ -387,13 +386,6 @@ class HostSchedule:
         )
 
 
-def _copy_pool() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="reshard-collective-copy")
-    return _pool
-
-
 def _unpack_pool() -> ThreadPoolExecutor:
     global _unpacker
     if _unpacker is None:
@@ -406,7 +398,8 @@ def _run_all(tasks: Sequence[tuple[int, Callable[[], None]]]) -> None:
     while copying, and first-touch page faults of fresh memory then happen in parallel
     too), small ones right here (a thread hand-off costs more than they do)."""
     big = [t for n, t in tasks if n >= _THREADED_COPY_BYTES]
-    pending = [_copy_pool().submit(t) for t in big] if len(big) > 1 and COPY_THREADS > 1 else []
+    threaded = len(big) > 1 and local.COPY_THREADS > 1
+    pending = [local._copy_pool().submit(t) for t in big] if threaded else []
     if not pending:
         for t in big:
             t()
