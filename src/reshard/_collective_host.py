@@ -34,10 +34,17 @@ the kernel copies every byte twice) and the copies share a few cores:
   instead made the 288 MiB benchmark ~16% slower (A/B in one launch).
 
 The pool is bounded, so memory held between reshards stays bounded, and a reshard
-holds only the stages in flight, not all of its chunks at once. Packing order was
-tried and did not matter here: chunks ordered so a stage packs one source region for
-every round, and packing in cache-sized bands of the sources, measured the same as
-plain order, alone and end to end.
+holds only the stages in flight, not all of its chunks at once. Packing in
+cache-sized bands of the sources measured the same as plain order in isolation.
+
+On 2 shared cores the fsdp -> tp relayout is CPU-bound: the receiver's one copy per
+byte (~50 core-ms per 288 MiB) competes with the kernel's loopback copies, and the
+stages' transfers slow down while it runs. Measured and not better there (each in
+its own plan, several launches): whole stages of 4, 8 or 16 MiB instead of 32;
+sending 256 KiB shards whole instead of packing them; packing everything on the
+sender; and senders assembling each destination block so that the receiver copies
+nothing, which moved the same copying to the sender (branch
+``experiment/assembled-blocks``).
 """
 
 from __future__ import annotations
@@ -76,9 +83,10 @@ MIN_STAGES = 4
 # huge buffer crosses gloo slowly). Smaller ones are packed into shared chunks, so tiny
 # arrays (norms, biases) do not each cost a ppermute.
 WHOLE_BYTES = (2**20, 16 * 2**20)
-# Bytes per device in one stage of whole shards. On the benchmark's same-layout sync,
-# 16 MiB, 32 MiB and a single stage for everything took the same time; the bound caps
-# the zero-filled outputs XLA makes for devices that receive nothing in a ppermute.
+# Bytes per device in one stage of whole shards. On the benchmark's fsdp -> tp
+# relayout, 8, 16 and 32 MiB took the same time within noise over three launches
+# (32 MiB fastest in two); the bound caps the zero-filled outputs XLA makes for
+# devices that receive nothing in a ppermute.
 WHOLE_STAGE_BYTES = 32 * 2**20
 _ALIGN = 64  # byte offset alignment of pieces in a chunk
 # Host-side copies (packing, unpacking, same-process pieces) of at least this many
