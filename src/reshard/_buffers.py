@@ -17,6 +17,7 @@ handed out twice while any view of them is alive.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -121,5 +122,5 @@ def release_host_buffers() -> int:
 
 def host_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised, aligned array for one destination shard, from the pool."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     return POOL.take(nbytes).view(dtype).reshape(shape)
