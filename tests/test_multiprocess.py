@@ -243,6 +243,27 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         check(x, a, src)
         check(reshard.reshard(x, dst, donate=True), a, dst)  # and it can be retried
 
+    def different_arguments_raise_on_every_process() -> None:
+        # Process 0 asks for another layout than the others: a broken contract that
+        # would hang in mismatched collectives. Every process raises instead, and all
+        # stay in step (the next reshard works).
+        src = ns(devs[:half], ("f",), P("f"))
+        x = make(a, src)
+        kind = "pinned_host" if me == 0 else "device"
+        for dst in (
+            ns(devs[half:], ("t",), P("t") if me == 0 else P(None, "t")),  # layout
+            ns(devs[half:], ("t",), P(None, "t"), kind),  # memory kind only
+        ):
+            try:
+                reshard.reshard(x, dst)
+                raise AssertionError("different arguments did not raise")
+            except ValueError as e:
+                assert "different arguments on different processes" in str(e), e
+                assert "[1" in str(e), e  # names the processes that differ
+        check(x, a, src)
+        same = ns(devs[half:], ("t",), P(None, "t"))
+        check(reshard.reshard(x, same), a, same)
+
     return {
         f.__name__: f
         for f in (
@@ -260,6 +281,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             cached_plan_reuses_the_program,
             donation_frees_sources_after_success,
             failure_leaves_inputs_intact,
+            different_arguments_raise_on_every_process,
         )
     }
 
@@ -349,6 +371,7 @@ SCENARIOS = [
     "cached_plan_reuses_the_program",
     "donation_frees_sources_after_success",
     "failure_leaves_inputs_intact",
+    "different_arguments_raise_on_every_process",
 ]
 
 

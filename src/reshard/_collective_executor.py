@@ -27,6 +27,7 @@ every output exists, so a failure leaves the inputs intact.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,6 +89,10 @@ class CollectiveProgram:
         self.dtypes = [np.dtype(d) for d in dtypes]
         self.alias = alias
         self.leaves, keep, copies = all_copies(self.leaf_plans, self.position, alias)
+        # What every process must agree on for the programs to match: devices, blocks,
+        # pieces and element types (``agree``).
+        what = (ids, self.leaves, copies, [str(d) for d in self.dtypes], alias, pack_on_host)
+        self.fingerprint = hashlib.sha256(repr(what).encode()).digest()[:16]
         # Destination position -> source position whose buffer is handed over as it is.
         self.reused: list[dict[int, int]] = [
             {
@@ -184,6 +189,36 @@ class CollectiveProgram:
         return list(fn())
 
 
+def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]) -> None:
+    """Checks that every process built the same program (and asks for the same memory
+    kinds), before any of them runs it.
+
+    Processes that were called with different arguments (breaking the
+    multi-controller contract, e.g. destination shardings built from
+    ``jax.local_devices()``) would otherwise wait for each other in mismatched
+    collectives forever. One small all-gather over every process, once per program.
+
+    Raises:
+      ValueError: on every process, naming the processes whose program differs from
+        process 0's.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    kinds = repr([getattr(s, "memory_kind", None) for s in shardings]).encode()
+    mine = np.frombuffer(hashlib.sha256(program.fingerprint + kinds).digest()[:16], np.uint32)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    differ = [p for p in range(len(everyone)) if not np.array_equal(everyone[p], everyone[0])]
+    if differ:
+        raise ValueError(
+            f"reshard was called with different arguments on different processes: the "
+            f"plans of processes {differ} differ from process 0's. Every process must "
+            "pass the same pytree, avals, source and destination shardings (built from "
+            "the global jax.devices()) and options, in the same order of calls"
+        )
+
+
 def run_collective(
     plan: Any,
     sources: Sequence[jax.Array],
@@ -217,6 +252,7 @@ def run_collective(
         program = CollectiveProgram(
             plan.leaf_plans, [s.dtype for s in sources], alias=alias, pack_on_host=PACK_ON_HOST
         )
+        agree(program, shardings)  # before caching: a mismatch raises again on the next call
         plan._cache[key] = program
     if program.host_packed:
         return host_packed.run_host_packed(program, sources, shardings)
