@@ -313,12 +313,7 @@ class HostSchedule:
             parts = -(-nbytes // max(1, WHOLE_BYTES[1]))
             arrives = parts == 1 and len(cs) == 1 and cs[0][3] == block == blocks[li].dst_block
             least = min(WHOLE_BYTES[0], ADOPTED_BYTES) if arrives else WHOLE_BYTES[0]
-            if (
-                WHOLE_BYTES[1] > 0
-                and least <= nbytes
-                and parts <= block[0]
-                and _covers(cs, block)
-            ):
+            if WHOLE_BYTES[1] > 0 and least <= nbytes and parts <= block[0] and _covers(cs, block):
                 forward.append((nbytes, li, src, cs, parts))
             else:
                 for c in cs:
