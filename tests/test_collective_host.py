@@ -11,7 +11,6 @@ Tiny chunk and stage sizes make pieces split across chunks and stages.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 from collections.abc import Iterator
 
@@ -160,17 +159,11 @@ def tiny_buffers() -> Iterator[None]:
     st.booleans(),
     st.integers(0, 2**16),
     st.sampled_from([(1, 0), (1, 64), (0, 100), (0, 2**30), (64, 2**30)]),
-    st.sampled_from([0, 32, 2**30]),
 )
-def test_host_schedule_moves_every_byte_once(
-    leaves, processes, alias, seed, whole, adopted
-) -> None:
-    """``whole``: the sizes of whole shards sent as they are ((1, 0): none);
-    ``adopted``: from what size a shard that arrives as a destination shard is."""
+def test_host_schedule_moves_every_byte_once(leaves, processes, alias, seed, whole) -> None:
+    """``whole``: the sizes of whole shards sent as they are ((1, 0): none)."""
     with tiny_buffers(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(host, "WHOLE_BYTES", whole)
-        mp.setattr(host, "ADOPTED_BYTES", adopted)
-        mp.setattr(host, "ADOPTED_STAGE_BYTES", 256)
         simulate(leaves, processes, alias, seed)
 
 
@@ -235,40 +228,6 @@ def test_large_source_shards_are_sent_in_row_ranges() -> None:
     assert sum(n * pairs for n, pairs in sent) == 4 * (1024 + 512)  # every byte once
     takes = [op for st_ in receiver.unpack for _, ops in st_.values() for op in ops]
     assert len(takes) == 4 * 4 * (4 + 2)  # per source, destination and row range
-
-
-def test_shards_that_arrive_as_destination_shards_travel_apart() -> None:
-    """Below the size for sending shards whole, a shard that is exactly a destination
-    shard still goes as it is (packing would be its only copy), in stages of its own
-    after those whose shards must be cut; a shard that must be cut is packed."""
-    devs = np.array(jax.devices())
-    P = jax.sharding.PartitionSpec
-    src = NamedSharding(jax.sharding.Mesh(devs[:4], ("f",)), P("f"))
-    same = NamedSharding(jax.sharding.Mesh(devs[4:], ("f",)), P("f"))
-    tp = NamedSharding(jax.sharding.Mesh(devs[4:], ("t",)), P(None, "t"))
-    leaves = [
-        (src, tp, (128, 32), "bfloat16"),  # 2 KiB source shards, cut on arrival
-        (src, same, (64, 32), "bfloat16"),  # 1 KiB, arrive as they are
-        (src, tp, (64, 32), "bfloat16"),  # 1 KiB, packed
-    ]
-    blocks, copies = blocks_and_copies(leaves)
-    process = [0, 0, 0, 0, 1, 1, 1, 1]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(host, "WHOLE_BYTES", (2048, 2**30))
-        mp.setattr(host, "ADOPTED_BYTES", 1024)
-        simulate(leaves, 2, True, 6)
-        sched = host.HostSchedule(copies, blocks, [2, 2, 2], process, 1)
-
-    def leaf(ch: host.Chunk) -> set[int]:
-        return {cp[0] for v in ch.sends.values() for cp, _ in v}
-
-    # In order: shards to cut, shards that arrive as they are, packed pieces; and no
-    # stage mixes two of these.
-    kinds = [(ch.whole, *sorted(leaf(ch))) for ch in sched.chunks]
-    assert [k for k, _ in itertools.groupby(kinds)] == [(True, 0), (True, 1), (False, 2)]
-    for st_ in sched.stages:
-        assert len({kinds[ci] for ci in st_}) == 1
-    assert sched.arrive_whole == {(1, d) for d in (4, 5, 6, 7)}
 
 
 def test_stages_keep_every_chunk_in_order() -> None:

@@ -88,13 +88,6 @@ WHOLE_BYTES = (2**20, 16 * 2**20)
 # (32 MiB fastest in two); the bound caps the zero-filled outputs XLA makes for
 # devices that receive nothing in a ppermute.
 WHOLE_STAGE_BYTES = 32 * 2**20
-# A source shard that is exactly one destination shard of the receiving process
-# (weight sync between equal layouts) arrives as that shard: nothing to cut, so it is
-# sent whole from a smaller size on (packing would be its only copy), and such shards
-# travel in stages of up to ADOPTED_STAGE_BYTES per device (fewer, larger programs;
-# no copy to overlap with the network).
-ADOPTED_BYTES = 2**16
-ADOPTED_STAGE_BYTES = 128 * 2**20
 _ALIGN = 64  # byte offset alignment of pieces in a chunk
 # Host-side copies (packing, unpacking, same-process pieces) of at least this many
 # bytes run on the local executor's copy threads.
@@ -311,15 +304,17 @@ class HostSchedule:
             nbytes = math.prod(block) * itemsizes[li]
             # Sent in this many row ranges of at most WHOLE_BYTES[1] bytes each.
             parts = -(-nbytes // max(1, WHOLE_BYTES[1]))
-            arrives = parts == 1 and len(cs) == 1 and cs[0][3] == block == blocks[li].dst_block
-            least = min(WHOLE_BYTES[0], ADOPTED_BYTES) if arrives else WHOLE_BYTES[0]
-            if WHOLE_BYTES[1] > 0 and least <= nbytes and parts <= block[0] and _covers(cs, block):
+            if (
+                WHOLE_BYTES[1] > 0
+                and WHOLE_BYTES[0] <= nbytes
+                and parts <= block[0]
+                and _covers(cs, block)
+            ):
                 forward.append((nbytes, li, src, cs, parts))
             else:
                 for c in cs:
                     remote[(c[1], c[2])].append(c)
         moves: list[Copy] = []  # source rows sent whole: source position -> landing one
-        adopt: list[Copy] = []  # the same, for shards that arrive as a destination shard
         # Per (array, source position, landing position, first row): what the landing
         # process takes out of those rows, as (writing position, op without its chunk
         # index).
@@ -340,10 +335,7 @@ class HostSchedule:
                 r1 = min(rows, r0 + step)
                 part = (r1 - r0, *src_block[1:])
                 start = (r0,) + (0,) * (len(src_block) - 1)
-                # Shards that arrive as they are travel apart (see ADOPTED_STAGE_BYTES).
-                (adopt if whole and len(cs) == 1 else moves).append(
-                    (li, src, land, part, start, start)
-                )
+                moves.append((li, src, land, part, start, start))
                 size = math.prod(part) * itemsizes[li]
                 ops: list[tuple[int, _TakeOp]] = []
                 for c in cs:
@@ -364,15 +356,11 @@ class HostSchedule:
 
         # Whole shards first: nothing to pack, so they leave at once while the first
         # packed stage is being packed. Packed stages are made small enough to overlap.
-        # Shards to cut come first, so their cutting overlaps the later stages.
-        cut = whole_chunks(moves, itemsizes)
-        adopted = whole_chunks(adopt, itemsizes)
+        whole_chunked = whole_chunks(moves, itemsizes)
         packed = host_chunks(remote, itemsizes, CHUNK_BYTES)
-        self.chunks = cut + adopted + packed
-        self.stages = (
-            stages_of(cut, WHOLE_STAGE_BYTES)
-            + stages_of(adopted, ADOPTED_STAGE_BYTES, first=len(cut))
-            + stages_of(packed, STAGE_BYTES, MIN_STAGES, first=len(cut) + len(adopted))
+        self.chunks = whole_chunked + packed
+        self.stages = stages_of(whole_chunked, WHOLE_STAGE_BYTES) + stages_of(
+            packed, STAGE_BYTES, MIN_STAGES, first=len(whole_chunked)
         )
         # Per stage: local sending position -> pack ops; local writing position ->
         # (bytes written, take ops).
