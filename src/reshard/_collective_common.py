@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from . import _compat
-from ._geometry import Box, box_shape
+from ._geometry import box_shape, relative_offsets
 from ._planner import LeafPlan
 
 AXIS = "r"  # the union mesh's only axis
@@ -102,10 +102,6 @@ def rounds_of(pairs: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, int], .
     ]
 
 
-def _offset(inner: Box, outer: Box) -> tuple[int, ...]:
-    return tuple(i0 - o0 for (i0, _), (o0, _) in zip(inner, outer, strict=True))
-
-
 def _uniform_shape(lp: LeafPlan, side: str) -> tuple[int, ...]:
     shards = lp.spec.src if side == "source" else lp.spec.dst
     shapes = {box_shape(s.box) for s in shards}
@@ -133,8 +129,8 @@ def _leaf_copies(
                 position[s.device],
                 position[d.device],
                 box_shape(p.box),
-                _offset(p.box, s.box),
-                _offset(p.box, d.box),
+                relative_offsets(p.box, s.box),
+                relative_offsets(p.box, d.box),
             )
         )
     if not alias:  # may_alias=False: unchanged shards are copied too

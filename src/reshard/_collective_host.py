@@ -65,7 +65,7 @@ from . import _compat
 from . import _local_executor as local
 from ._buffers import POOL, host_empty
 from ._collective_common import Copy, LeafBlocks
-from ._geometry import Box, box_shape, subtract
+from ._geometry import box_shape, full_box, subtract_many
 
 if TYPE_CHECKING:
     from ._collective_executor import CollectiveProgram
@@ -254,13 +254,8 @@ def _written(ops: Sequence[_TakeOp], itemsizes: Sequence[int]) -> int:
 
 def _covers(pieces: Sequence[Copy], block: tuple[int, ...]) -> bool:
     """Whether the pieces' source boxes together cover the whole source block."""
-    rest: list[Box] = [tuple((0, n) for n in block)]
-    for c in pieces:
-        box = tuple((a, a + n) for a, n in zip(c[4], c[3], strict=True))
-        rest = [r for b in rest for r in subtract(b, box)]
-        if not rest:
-            return True
-    return False
+    boxes = (tuple((a, a + n) for a, n in zip(c[4], c[3], strict=True)) for c in pieces)
+    return not subtract_many(full_box(block), boxes)
 
 
 class HostSchedule:

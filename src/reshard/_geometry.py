@@ -15,9 +15,14 @@ on these functions being exact; they are tested against numpy slicing.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 Box = tuple[tuple[int, int], ...]
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    """The box covering a whole array of ``shape``."""
+    return tuple((0, int(n)) for n in shape)
 
 
 def box_from_index(index: Sequence[slice], shape: Sequence[int]) -> Box:
@@ -70,6 +75,11 @@ def relative_slices(inner: Box, outer: Box) -> tuple[slice, ...]:
     return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
 
 
+def relative_offsets(inner: Box, outer: Box) -> tuple[int, ...]:
+    """Start offsets of ``inner`` within ``outer``."""
+    return tuple(i0 - o0 for (i0, _), (o0, _) in zip(inner, outer, strict=True))
+
+
 def subtract(box: Box, hole: Box | None) -> list[Box]:
     """Disjoint boxes covering ``box`` minus ``hole`` (slab decomposition).
 
@@ -91,6 +101,16 @@ def subtract(box: Box, hole: Box | None) -> list[Box]:
             out.append(tuple(rest[:d]) + ((h1, b1),) + tuple(rest[d + 1 :]))
         rest[d] = (h0, h1)
     return out
+
+
+def subtract_many(box: Box, holes: Iterable[Box]) -> list[Box]:
+    """Disjoint boxes covering ``box`` minus the union of ``holes``."""
+    parts = [box]
+    for hole in holes:
+        parts = [p for part in parts for p in subtract(part, hole)]
+        if not parts:
+            break
+    return parts
 
 
 def try_merge(a: Box, b: Box) -> Box | None:
