@@ -260,12 +260,9 @@ def assemble(
     src_bufs = _compat.device_buffers(src) if reused else {}
     out_bufs = _compat.device_buffers(out) if out is not None else {}
     parts: list[jax.Array] = []
-    devs = []
-    me = jax.process_index()
+    devs = list(_compat.addressable_devices(sharding))
     mk = sharding.memory_kind
-    for d in _compat.ordered_devices(sharding):
-        if d.process_index != me:
-            continue
+    for d in devs:
         pos = program.position[d.id]
         if pos in reused:
             parts.append(src_bufs[program.devices[reused[pos]].id])
@@ -278,7 +275,6 @@ def assemble(
             if mk is not None and block.sharding.memory_kind != mk:
                 block = jax.device_put(block, SingleDeviceSharding(d, memory_kind=mk))
             parts.append(block)
-        devs.append(d)
     return common.finish(program.leaf_plans[li], program.dtypes[li], sharding, parts, devs)
 
 

@@ -531,7 +531,7 @@ class _SourceViews(dict[int, np.ndarray]):
 
 
 def _destinations(
-    program: CollectiveProgram, shardings: Sequence[Any], me: int
+    program: CollectiveProgram, shardings: Sequence[Any]
 ) -> dict[int, dict[int, np.ndarray]]:
     """Per position and array, the destination blocks this process builds (not handed
     over), written once each; from the pool of warm blocks, since fresh memory costs a
@@ -540,9 +540,9 @@ def _destinations(
     sched: HostSchedule = program.host
     outs: dict[int, dict[int, np.ndarray]] = {}
     for li, sharding in enumerate(shardings):
-        for d in _compat.ordered_devices(sharding):
+        for d in _compat.addressable_devices(sharding):
             pos = program.position[d.id]
-            if d.process_index != me or pos in program.reused[li]:
+            if pos in program.reused[li]:
                 continue
             mine = outs.setdefault(pos, {})
             if (li, pos) not in sched.arrive_whole:  # else the arriving chunk is the block
@@ -557,7 +557,6 @@ def run_host_packed(
     destination shards."""
     sched: HostSchedule = program.host
     position, devices = program.position, program.devices
-    me = jax.process_index()
     bufs = [_compat.device_buffers(s) for s in sources]
     # Zero-copy views of this process's source shards, per position and array.
     views = {position[d.id]: _SourceViews(program, bufs, d.id) for d in program.local_devices}
@@ -573,11 +572,11 @@ def run_host_packed(
             if outs is None:
                 # Taken while the first stage travels: a stage starts only once every
                 # process has called it, so nothing slow comes before the first call.
-                outs = _destinations(program, shardings, me)
+                outs = _destinations(program, shardings)
             pending.append(_unpack_pool().submit(_unpack_stage, program, s, received, sent, outs))
             del sent, received
     if outs is None:
-        outs = _destinations(program, shardings, me)
+        outs = _destinations(program, shardings)
 
     # Copies within this process need no network: done while the last stages travel.
     _run_all(
@@ -594,17 +593,14 @@ def run_host_packed(
     for li, sharding in enumerate(shardings):
         shard_shape = box_shape(program.leaf_plans[li].spec.dst[0].box)
         parts: list[Any] = []
-        devs = []
-        for d in _compat.ordered_devices(sharding):
-            if d.process_index != me:
-                continue
+        devs = list(_compat.addressable_devices(sharding))
+        for d in devs:
             pos = position[d.id]
             src_pos = program.reused[li].get(pos)
             if src_pos is not None:
                 parts.append(bufs[li][devices[src_pos].id])
             else:
                 parts.append(outs[pos][li].reshape(shard_shape))
-            devs.append(d)
         arrays.append(
             common.finish(program.leaf_plans[li], program.dtypes[li], sharding, parts, devs)
         )
