@@ -28,6 +28,12 @@ import numpy as np
 ALIGN = 64  # XLA's CPU client adopts 64-byte aligned host buffers without a copy
 
 
+def align_up(n: int) -> int:
+    """``n`` rounded up to a multiple of ``ALIGN``: where the next buffer carved out of
+    a shared block may start."""
+    return -(-n // ALIGN) * ALIGN
+
+
 def _limit_from_env() -> int:
     raw = os.environ.get("RESHARD_HOST_POOL_BYTES", str(1 << 30))
     try:

@@ -63,7 +63,7 @@ import numpy as np
 from . import _collective_common as common
 from . import _compat
 from . import _local_executor as local
-from ._buffers import POOL, host_empty
+from ._buffers import POOL, align_up, host_empty
 from ._collective_common import Copy, LeafBlocks
 from ._geometry import box_shape, full_box, subtract_many
 
@@ -88,7 +88,6 @@ WHOLE_BYTES = (2**20, 16 * 2**20)
 # (32 MiB fastest in two); the bound caps the zero-filled outputs XLA makes for
 # devices that receive nothing in a ppermute.
 WHOLE_STAGE_BYTES = 32 * 2**20
-_ALIGN = 64  # byte offset alignment of pieces in a chunk
 # Host-side copies (packing, unpacking, same-process pieces) of at least this many
 # bytes run on the local executor's copy threads.
 _THREADED_COPY_BYTES = 1 << 20
@@ -126,10 +125,6 @@ _TakeOp = tuple[
 ]
 
 
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
 def _split_rows(c: Copy, itemsize: int, limit: int) -> list[Copy]:
     """Splits a copy along its first dimension into parts of at most ``limit`` bytes."""
     li, s, d, shape, s0, d0 = c
@@ -165,13 +160,13 @@ def host_chunks(
         packed: dict[tuple[int, int], list[tuple[list[tuple[Copy, int]], int]]] = {}
         for pr in members:
             total = sum(math.prod(c[3]) * itemsizes[c[0]] for c in remote[pr])
-            target = _round_up(-(-total // max(1, -(-total // limit))), _ALIGN)
+            target = align_up(-(-total // max(1, -(-total // limit))))
             bufs: list[tuple[list[tuple[Copy, int]], int]] = [([], 0)]
             for cp in remote[pr]:
                 for part in _split_rows(cp, itemsizes[cp[0]], target):
                     n = math.prod(part[3]) * itemsizes[part[0]]
                     items, used = bufs[-1]
-                    off = _round_up(used, _ALIGN)
+                    off = align_up(used)  # pieces start ALIGN-aligned in a chunk
                     if used and off + n > target:
                         bufs.append(([], 0))
                         items, off = bufs[-1][0], 0

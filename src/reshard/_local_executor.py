@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
-from ._buffers import POOL, host_empty
+from ._buffers import POOL, align_up, host_empty
 from ._geometry import box_shape, relative_slices
 from ._planner import LeafPlan
 
@@ -104,10 +104,6 @@ def _copy_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-def _round64(n: int) -> int:
-    return (n + 63) & ~63
-
-
 def run_host(
     jobs: Sequence[LeafJob],
     sources: Sequence[jax.Array],
@@ -132,7 +128,7 @@ def run_host(
         for di, _ in tg:
             n = job.nbytes[di]
             if n < SMALL_SHARD_BYTES and not (alias and di in job.reused):
-                arena_bytes += _round64(n)
+                arena_bytes += align_up(n)
     arena = POOL.take(arena_bytes) if arena_bytes else None
     offset = 0
     big: list[
@@ -155,7 +151,7 @@ def run_host(
                 if n < SMALL_SHARD_BYTES:
                     assert arena is not None
                     out = arena[offset : offset + n].view(job.dtype).reshape(shape)
-                    offset += _round64(n)
+                    offset += align_up(n)
                     _fill(out, job.copies[di], bufs, spec.src, views)
                 else:
                     out = host_empty(shape, job.dtype)
