@@ -90,9 +90,11 @@ class CollectiveProgram:
         self.alias = alias
         self.leaves, keep, copies = all_copies(self.leaf_plans, self.position, alias)
         # What every process must agree on for the programs to match: devices, blocks,
-        # pieces and element types (``agree``).
-        what = (ids, self.leaves, copies, [str(d) for d in self.dtypes], alias, pack_on_host)
-        self.fingerprint = hashlib.sha256(repr(what).encode()).digest()[:16]
+        # pieces and element types (``agree``; one process has nobody to agree with).
+        self.fingerprint = b""
+        if jax.process_count() > 1:
+            what = (ids, self.leaves, copies, [str(d) for d in self.dtypes], alias, pack_on_host)
+            self.fingerprint = hashlib.sha256(repr(what).encode()).digest()[:16]
         # Destination position -> source position whose buffer is handed over as it is.
         self.reused: list[dict[int, int]] = [
             {
