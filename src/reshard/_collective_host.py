@@ -88,9 +88,6 @@ WHOLE_BYTES = (2**20, 16 * 2**20)
 # (32 MiB fastest in two); the bound caps the zero-filled outputs XLA makes for
 # devices that receive nothing in a ppermute.
 WHOLE_STAGE_BYTES = 32 * 2**20
-# Host-side copies (packing, unpacking, same-process pieces) of at least this many
-# bytes run on the local executor's copy threads.
-_THREADED_COPY_BYTES = 1 << 20
 _unpacker: ThreadPoolExecutor | None = None
 
 
@@ -391,23 +388,6 @@ def _unpack_pool() -> ThreadPoolExecutor:
     return _unpacker
 
 
-def _run_all(tasks: Sequence[tuple[int, Callable[[], None]]]) -> None:
-    """Runs ``(bytes, copy task)``s: large ones on a few threads (numpy releases the GIL
-    while copying, and first-touch page faults of fresh memory then happen in parallel
-    too), small ones right here (a thread hand-off costs more than they do)."""
-    big = [t for n, t in tasks if n >= _THREADED_COPY_BYTES]
-    threaded = len(big) > 1 and local.COPY_THREADS > 1
-    pending = [local._copy_pool().submit(t) for t in big] if threaded else []
-    if not pending:
-        for t in big:
-            t()
-    for n, t in tasks:
-        if n < _THREADED_COPY_BYTES:
-            t()
-    for f in pending:
-        f.result()
-
-
 def _fill(bufs: Sequence[np.ndarray], views: dict[int, np.ndarray], ops: Sequence[_PackOp]) -> None:
     """Packs one sender's pieces into its chunks of a stage."""
     for k, a, b, li, sl, shape in ops:
@@ -467,7 +447,7 @@ def _pack_stage(
             nbytes = sum(op[2] - op[1] for op in ops)
             tasks.append((nbytes, functools.partial(_fill, row, views[pos], ops)))
         rows.append(row)
-    _run_all(tasks)
+    local.run_copies(tasks)
     n = len(program.devices)
     return [
         _compat.assemble(
@@ -497,7 +477,7 @@ def _unpack_stage(
         raws = {
             land: [np.asarray(b[program.devices[land].id]) for b in per_array] for land in lands
         }
-        _run_all(
+        local.run_copies(
             [
                 (nbytes, functools.partial(_take, raws, outs[pos], pos_ops, program.dtypes))
                 for pos, (nbytes, pos_ops) in ops.items()
@@ -574,7 +554,7 @@ def run_host_packed(
         outs = _destinations(program, shardings)
 
     # Copies within this process need no network: done while the last stages travel.
-    _run_all(
+    local.run_copies(
         [
             (outs[pos][li].nbytes, functools.partial(_copy_local, outs[pos][li], views, copies))
             for li, per_pos in enumerate(sched.local_copies)

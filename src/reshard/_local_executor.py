@@ -17,6 +17,7 @@ exists, so a failure part-way loses no input.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections import defaultdict
@@ -104,6 +105,28 @@ def _copy_pool() -> ThreadPoolExecutor:
     return _pool
 
 
+# Copies of at least this many bytes run on the copy threads.
+THREADED_COPY_BYTES = 1 << 20
+
+
+def run_copies(tasks: Sequence[tuple[int, Callable[[], Any]]]) -> None:
+    """Runs ``(bytes, copy task)``s: large ones on the copy threads (numpy releases the
+    GIL while copying, and first-touch page faults of fresh memory then happen in
+    parallel too), small ones right here (a thread hand-off costs more than they do).
+    Tasks must not write the same memory."""
+    big = [t for n, t in tasks if n >= THREADED_COPY_BYTES]
+    threaded = len(big) > 1 and COPY_THREADS > 1
+    pending = [_copy_pool().submit(t) for t in big] if threaded else []
+    if not pending:
+        for t in big:
+            t()
+    for n, t in tasks:
+        if n < THREADED_COPY_BYTES:
+            t()
+    for f in pending:
+        f.result()
+
+
 def run_host(
     jobs: Sequence[LeafJob],
     sources: Sequence[jax.Array],
@@ -131,9 +154,7 @@ def run_host(
                 arena_bytes += align_up(n)
     arena = POOL.take(arena_bytes) if arena_bytes else None
     offset = 0
-    big: list[
-        tuple[np.ndarray, Sequence[Copy], dict[int, Any], Sequence[Any], dict[int, np.ndarray]]
-    ] = []
+    big: list[tuple[int, Callable[[], Any]]] = []  # (bytes, copy) per large shard
     leaves: list[tuple[list[Any], list[Any]]] = []
     for job, src, tg in zip(jobs, sources, targets, strict=True):
         spec = job.plan.spec
@@ -155,16 +176,12 @@ def run_host(
                     _fill(out, job.copies[di], bufs, spec.src, views)
                 else:
                     out = host_empty(shape, job.dtype)
-                    big.append((out, job.copies[di], bufs, spec.src, views))
+                    fill = functools.partial(_fill, out, job.copies[di], bufs, spec.src, views)
+                    big.append((n, fill))
                 dst_bufs.append(out)
             dst_devs.append(dev)
         leaves.append((dst_bufs, dst_devs))
-    if len(big) > 1 and COPY_THREADS > 1:
-        # One task per destination shard: no two tasks write the same memory.
-        list(_copy_pool().map(lambda args: _fill(*args), big))
-    else:
-        for args in big:
-            _fill(*args)
+    run_copies(big)  # one task per destination shard: no two write the same memory
     outs = []
     for job, sharding, (dst_bufs, dst_devs) in zip(jobs, shardings, leaves, strict=True):
         kinds = {isinstance(b, jax.Array) for b in dst_bufs}
