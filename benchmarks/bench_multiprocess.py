@@ -59,6 +59,11 @@ def llm_tree_shapes(full: bool) -> dict[str, tuple[tuple[int, ...], str]]:
     return shapes
 
 
+def _truth(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """The values of one leaf, the same on every process (the ground truth)."""
+    return (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
+
+
 def _index(host: np.ndarray, idx: Any) -> np.ndarray:
     return host[idx]
 
@@ -111,7 +116,7 @@ def _tree(full: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     for path, (shape, dtype) in llm_tree_shapes(full).items():
         src_sh = NamedSharding(src_mesh, P("fsdp") if len(shape) == 2 else P())
         dst[path] = NamedSharding(dst_mesh, P(None, "tp") if len(shape) == 2 else P())
-        host = (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
+        host = _truth(shape, dtype)
         tree[path] = jax.make_array_from_callback(
             shape, src_sh, functools.partial(_index, host), dtype=host.dtype
         )
@@ -132,7 +137,7 @@ def _same_layout(tree: dict[str, Any]) -> dict[str, Any]:
 def _verify(out: dict[str, Any], full: bool) -> None:
     """Every destination shard this process holds equals the ground truth."""
     for path, (shape, dtype) in llm_tree_shapes(full).items():
-        host = (np.arange(int(np.prod(shape))) % 251).astype(dtype).reshape(shape)
+        host = _truth(shape, dtype)
         for s in out[path].addressable_shards:
             np.testing.assert_array_equal(np.asarray(s.data), host[s.index])
 
