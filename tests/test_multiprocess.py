@@ -264,9 +264,90 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         same = ns(devs[half:], ("t",), P(None, "t"))
         check(reshard.reshard(x, same), a, same)
 
+    def a_process_failing_mid_reshard_fails_every_process() -> None:
+        # Host-packed. One process fails in a middle stage (out of host memory while
+        # packing, or while taking its destination blocks). It still takes part in
+        # every stage, sending filler, and reports the failure in the last one: every
+        # process raises (no hang, no partial results), the inputs stay intact, and
+        # all stay in step (the next reshard works).
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        x = make(a, src)
+        procs = jax.process_count()
+        saved = _collective_host.CHUNK_BYTES, _collective_host.STAGE_BYTES
+        pack, destinations = _collective_host._pack_stage, _collective_host._destinations
+
+        def failing_pack(program: Any, s: int, views: Any) -> Any:
+            if s == 2:
+                raise MemoryError("injected: out of host memory while packing")
+            return pack(program, s, views)
+
+        def failing_destinations(*args: Any) -> Any:
+            raise MemoryError("injected: out of host memory for the destination blocks")
+
+        # Process 0 sends, the last process receives.
+        cases = [
+            (0, "_pack_stage", failing_pack),
+            (procs - 1, "_destinations", failing_destinations),
+        ]
+        for victim, name, broken in cases:
+            _collective_host.CHUNK_BYTES = _collective_host.STAGE_BYTES = 256  # many stages
+            if me == victim:
+                setattr(_collective_host, name, broken)
+            try:
+                p = reshard.plan(x, dst, cache=False)
+                p.execute(x, donate=True)
+                raise AssertionError(f"process {victim} failed in {name}, but nothing raised")
+            except MemoryError as e:
+                assert me == victim and "injected" in str(e), e
+            except RuntimeError as e:
+                assert me != victim, e
+                assert f"reshard failed on process(es) [{victim}]" in str(e), e
+            finally:
+                _collective_host._pack_stage, _collective_host._destinations = pack, destinations
+                _collective_host.CHUNK_BYTES, _collective_host.STAGE_BYTES = saved
+            (program,) = [
+                v
+                for v in p._cache.values()
+                if isinstance(v, _collective_executor.CollectiveProgram)
+            ]
+            assert len(program.host.stages) > 3, len(program.host.stages)
+            assert not x.is_deleted()
+            check(x, a, src)
+            check(reshard.reshard(x, dst), a, dst)
+
+    def a_process_failing_after_the_transfer_fails_alone() -> None:
+        # Host-packed. A failure after every stage was called (here: unpacking what
+        # arrived) cannot corrupt what the others receive: that process raises, the
+        # others return complete results, and all stay in step.
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        x = make(a, src)
+        victim = jax.process_count() - 1  # receives
+        take = _collective_host._take
+
+        def failing_take(*args: Any) -> None:
+            raise MemoryError("injected: failure while unpacking")
+
+        if me == victim:
+            _collective_host._take = failing_take
+        try:
+            y = reshard.reshard(x, dst)
+            assert me != victim, "the unpacking failure did not surface"
+            check(y, a, dst)
+        except MemoryError as e:
+            assert me == victim and "injected" in str(e), e
+        finally:
+            _collective_host._take = take
+        check(x, a, src)
+        check(reshard.reshard(x, dst), a, dst)
+
+    host_only = (
+        a_process_failing_mid_reshard_fails_every_process,
+        a_process_failing_after_the_transfer_fails_alone,
+    )
     return {
         f.__name__: f
         for f in (
+            *(host_only if _collective_executor.PACK_ON_HOST else ()),
             disjoint,
             overlapping,
             shrink_8_to_6,
@@ -373,6 +454,11 @@ SCENARIOS = [
     "failure_leaves_inputs_intact",
     "different_arguments_raise_on_every_process",
 ]
+# Failures part-way through: the host-packed schedule's filler stages and status.
+HOST_SCENARIOS = [
+    "a_process_failing_mid_reshard_fails_every_process",
+    "a_process_failing_after_the_transfer_fails_alone",
+]
 
 
 @pytest.mark.timeout(180)
@@ -389,7 +475,8 @@ def test_every_scenario_on_every_process(procs: int, devices: int, pack: str) ->
     assert len(results) == procs
     failures = []
     for r in results:
-        assert sorted(r.value) == sorted(SCENARIOS), r.value.keys()
+        want = SCENARIOS + (HOST_SCENARIOS if pack == "host" else [])
+        assert sorted(r.value) == sorted(want), r.value.keys()
         failures += [
             f"process {r.process_id}, {name}:\n{tb}" for name, tb in r.value.items() if tb != "ok"
         ]

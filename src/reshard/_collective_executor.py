@@ -109,6 +109,9 @@ class CollectiveProgram:
             pack_on_host = all(d.platform == "cpu" for d in self.devices)
         self.host_packed = pack_on_host
         n = len(ids)
+        # The stage that also sums every process's status (host-packed, several
+        # processes): the last one.
+        self.status_stage: int | None = None
         if pack_on_host:
             self.host = host_packed.HostSchedule(
                 copies,
@@ -117,6 +120,8 @@ class CollectiveProgram:
                 [d.process_index for d in self.devices],
                 me,
             )
+            if jax.process_count() > 1 and self.host.stages:
+                self.status_stage = len(self.host.stages) - 1
         else:
             # Sub-byte integers (int4) travel widened to 8 bits: XLA packs them two per
             # byte inside programs but not in buffers made from host data, and an
@@ -143,16 +148,26 @@ class CollectiveProgram:
         if self.host_packed:
             chunks = [self.host.chunks[ci] for ci in self.host.stages[stage]]
             shapes: list[tuple[int, ...]] = [(n * ch.nbytes,) for ch in chunks]
-            dtypes = [np.dtype(np.uint8)] * len(chunks)
+            dtypes: list[np.dtype[Any]] = [np.dtype(np.uint8)] * len(chunks)
+            # The last stage also sums every process's status: per process, whether it
+            # failed before that stage and sent filler instead (``run_host_packed``).
+            # A psum costs ~1 ms over gloo here, an all_gather ~4 ms.
+            last = stage == self.status_stage
+            if last:
+                shapes.append((n * jax.process_count(),))
+                dtypes.append(np.dtype(np.int32))
 
             def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
                 # Nothing but the network: packing and unpacking happen on the host.
-                return tuple(
+                moved = tuple(
                     lax.ppermute(x, AXIS, list(ch.perm))
-                    for x, ch in zip(inputs, chunks, strict=True)
+                    for x, ch in zip(inputs, chunks, strict=False)
                 )
+                if last:
+                    moved += (lax.psum(inputs[-1], AXIS),)
+                return moved
 
-            out_count = len(chunks)
+            out_count = len(shapes)
         else:
             blocks, rounds = self.leaves, self.rounds
             shapes, dtypes = self.in_shapes, self.in_dtypes

@@ -117,12 +117,17 @@ def run_copies(tasks: Sequence[tuple[int, Callable[[], Any]]]) -> None:
     big = [t for n, t in tasks if n >= THREADED_COPY_BYTES]
     threaded = len(big) > 1 and COPY_THREADS > 1
     pending = [_copy_pool().submit(t) for t in big] if threaded else []
-    if not pending:
-        for t in big:
-            t()
-    for n, t in tasks:
-        if n < THREADED_COPY_BYTES:
-            t()
+    try:
+        if not pending:
+            for t in big:
+                t()
+        for n, t in tasks:
+            if n < THREADED_COPY_BYTES:
+                t()
+    finally:
+        # Even when a task here raised: nothing may still be writing once this returns.
+        for f in pending:
+            f.exception()
     for f in pending:
         f.result()
 
