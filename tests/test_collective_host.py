@@ -238,6 +238,17 @@ def test_stages_keep_every_chunk_in_order() -> None:
     assert all(sum(sizes[ci] for ci in s) <= 10 or len(s) == 1 for s in st_)
 
 
+def test_stages_split_for_overlap_but_not_below_min_bytes() -> None:
+    large = [host.Chunk((), 100, {}) for _ in range(8)]
+    # 800 bytes into at least 4 stages of at most 1000: 200 bytes each.
+    assert len(host.stages_of(large, limit=1000, min_stages=4)) == 4
+    # Not below 400 bytes a stage to get there: 2 stages.
+    assert len(host.stages_of(large, limit=1000, min_stages=4, min_bytes=400)) == 2
+    # A small plan is one stage; the limit still caps stages.
+    assert host.stages_of(large[:3], limit=1000, min_stages=4, min_bytes=400) == [[0, 1, 2]]
+    assert len(host.stages_of(large, limit=300, min_stages=4, min_bytes=400)) == 3
+
+
 def test_same_layout_on_other_devices_sends_every_shard_whole() -> None:
     """Weight sync between equal layouts: every shard is sent as it is and arrives as
     the destination shard; nothing is packed, unpacked or copied."""

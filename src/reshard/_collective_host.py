@@ -86,6 +86,12 @@ CHUNK_BYTES = 3 * 2**20
 # is cut into where it has the chunks for it: with one stage nothing would overlap.
 STAGE_BYTES = 12 * 2**20
 MIN_STAGES = 4
+# ...but no stage is made smaller than this to get there: a stage costs a fixed
+# latency (~1-2 ms over gloo here), which a small reshard would pay several times for
+# nothing to overlap. A/B in two launches each: a 38-array tree of ~2 KiB shards went
+# from 5 stages to 1 and from ~17-19 to ~12-14 ms per relayout; with ~0.6 MiB per
+# device, 4 stages and 1 took the same time.
+MIN_STAGE_BYTES = 2**20
 # Source shards of at least WHOLE_BYTES[0] bytes that a receiving process needs all of
 # are sent as they are (zero-copy), in row ranges of at most WHOLE_BYTES[1] bytes (one
 # huge buffer crosses gloo slowly). Smaller ones are packed into shared chunks, so tiny
@@ -212,12 +218,16 @@ def whole_chunks(moves: Sequence[Copy], itemsizes: Sequence[int]) -> list[Chunk]
 
 
 def stages_of(
-    chunks: Sequence[Chunk], limit: int, min_stages: int = 1, first: int = 0
+    chunks: Sequence[Chunk],
+    limit: int,
+    min_stages: int = 1,
+    first: int = 0,
+    min_bytes: int = 1,
 ) -> list[list[int]]:
     """Groups consecutive chunks into stages of at most ``limit`` bytes per device,
-    smaller where needed to make at least ``min_stages`` of them; chunk indices
-    start at ``first``."""
-    limit = min(limit, max(1, sum(ch.nbytes for ch in chunks) // min_stages))
+    smaller where needed to make at least ``min_stages`` of them, but not smaller
+    than ``min_bytes`` for that; chunk indices start at ``first``."""
+    limit = min(limit, max(min_bytes, sum(ch.nbytes for ch in chunks) // min_stages))
     stages: list[list[int]] = []
     used = 0
     for ci, ch in enumerate(chunks, start=first):
@@ -355,7 +365,7 @@ class HostSchedule:
         packed = host_chunks(remote, itemsizes, CHUNK_BYTES)
         self.chunks = whole_chunked + packed
         self.stages = stages_of(whole_chunked, WHOLE_STAGE_BYTES) + stages_of(
-            packed, STAGE_BYTES, MIN_STAGES, first=len(whole_chunked)
+            packed, STAGE_BYTES, MIN_STAGES, first=len(whole_chunked), min_bytes=MIN_STAGE_BYTES
         )
         # Per stage: local sending position -> pack ops; local writing position ->
         # (bytes written, take ops).
