@@ -412,6 +412,34 @@ def _reshard_until_killed(victim: int, kill_at: int) -> int:
     return i
 
 
+def _skip_a_reshard(skipper: int, limit_s: float, pack_on_host: bool) -> None:
+    """Every process reshards once; then process ``skipper`` gets stuck instead of
+    making the second call, and the others wait for it with the watchdog on."""
+    import os
+    import time
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+    from reshard import _collective_executor
+
+    _collective_executor.PACK_ON_HOST = pack_on_host
+    os.environ["RESHARD_COLLECTIVE_TIMEOUT_S"] = str(limit_s)
+    devs = np.array(jax.devices())
+    half = len(devs) // 2
+    a = NamedSharding(Mesh(devs[:half], ("f",)), P("f"))
+    b = NamedSharding(Mesh(devs[half:], ("t",)), P(None, "t"))
+    host = _ground_truth((48, 48), np.float32, 4)
+    x = jax.make_array_from_callback(host.shape, a, lambda idx: host[idx], dtype=host.dtype)
+    jax.block_until_ready(reshard.reshard(x, b, cache_resharding_plans=True))
+    print("first reshard done", flush=True)  # the watchdog stayed quiet
+    if jax.process_index() == skipper:
+        time.sleep(90)
+    jax.block_until_ready(reshard.reshard(x, b, cache_resharding_plans=True))
+
+
 # --- tests -------------------------------------------------------------------------
 
 
@@ -435,6 +463,47 @@ def test_a_process_killed_mid_reshard_fails_the_others_in_bounded_time() -> None
         assert not r.ok and not r.terminated, r.describe()
         assert r.duration_s - dead.duration_s < 30, [x.describe() for x in results]
         assert ("Gloo" in r.stderr) or ("detected fatal errors" in r.stderr), r.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pack", ["host", "device"])
+def test_a_process_skipping_a_call_ends_every_process_with_the_watchdog_on(pack: str) -> None:
+    from reshard._collective_executor import TIMEOUT_EXIT_CODE
+
+    limit_s = 4.0
+    results = launch_local(
+        f"{HERE}:_skip_a_reshard",
+        num_processes=3,
+        devices_per_process=2,
+        args=[2, limit_s, pack == "host"],
+        check=False,
+        heartbeat_timeout_s=5,
+        peer_failure_grace_s=60,
+        timeout_s=100,
+    )
+    described = [r.describe() for r in results]
+    for r in results:
+        assert "first reshard done" in r.stdout, described
+        assert not r.ok and not r.terminated, described  # each ended on its own
+    for r in results[:2]:  # they waited for process 2: the watchdog ended them
+        assert r.returncode == TIMEOUT_EXIT_CODE, described
+        assert "RESHARD_COLLECTIVE_TIMEOUT_S" in r.stderr, r.stderr[-2000:]
+        assert r.duration_s < limit_s + 30, described
+    # The stuck process learned that its peers are gone long before its sleep ended.
+    assert results[2].duration_s < 60, described
+
+
+def test_collective_timeout_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reshard._collective_executor import ENV_TIMEOUT_S, collective_timeout_s
+
+    monkeypatch.delenv(ENV_TIMEOUT_S, raising=False)
+    assert collective_timeout_s() == 0
+    monkeypatch.setenv(ENV_TIMEOUT_S, " 2.5 ")
+    assert collective_timeout_s() == 2.5
+    for bad in ("soon", "-1", "nan", "inf"):
+        monkeypatch.setenv(ENV_TIMEOUT_S, bad)
+        with pytest.raises(ValueError, match=ENV_TIMEOUT_S):
+            collective_timeout_s()
 
 
 SCENARIOS = [

@@ -282,10 +282,16 @@ def run_device_packed(
     program: CollectiveProgram,
     sources: Sequence[jax.Array],
     shardings: Sequence[jax.sharding.Sharding],
+    *,
+    wait: bool = False,
 ) -> list[jax.Array]:
-    """Runs a device-packed program and builds this process's destination arrays."""
+    """Runs a device-packed program and builds this process's destination arrays;
+    with ``wait``, returns only once the program (its collectives) has finished here,
+    even where this process keeps none of its outputs."""
     if program.local_devices:
         outputs = program.compiled()(*block_inputs(program, sources))
+        if wait:
+            jax.block_until_ready(outputs)
     else:
         # This process holds no device of the union: nothing to send, nothing to keep.
         outputs = [None] * len(sources)

@@ -28,7 +28,11 @@ every output exists, so a failure leaves the inputs intact.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import jax
@@ -46,6 +50,58 @@ __all__ = ["PACK_ON_HOST", "CollectiveProgram", "color_edges", "run_collective"]
 
 # None: pack on the host when every device is a CPU. Tests set True/False to force one.
 PACK_ON_HOST: bool | None = None
+# Seconds a collective reshard may wait for its peers before this process exits
+# (unset or 0: wait forever), and the exit status it then exits with.
+ENV_TIMEOUT_S = "RESHARD_COLLECTIVE_TIMEOUT_S"
+TIMEOUT_EXIT_CODE = 75
+
+
+def collective_timeout_s() -> float:
+    """The watchdog's limit from ``RESHARD_COLLECTIVE_TIMEOUT_S`` (0: none)."""
+    raw = os.environ.get(ENV_TIMEOUT_S, "").strip()
+    try:
+        seconds = float(raw) if raw else 0.0
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(
+            f"{ENV_TIMEOUT_S} must be a finite number of seconds >= 0 (0: no limit), got {raw!r}"
+        )
+    return seconds
+
+
+@contextmanager
+def watchdog(seconds: float) -> Iterator[None]:
+    """Exits this process if the enclosed collective work takes over ``seconds``.
+
+    A process that skips a reshard call, calls other collectives in between, or is
+    stuck leaves its peers waiting inside a collective, which nothing in JAX can
+    cancel. Exiting turns that silent hang into errors everywhere: the peers that
+    share a collective with this process fail at once (the connection breaks), the
+    others when the coordination service notices (its heartbeat). Off by default.
+    """
+    if seconds <= 0:
+        yield
+        return
+
+    def give_up() -> None:
+        sys.stderr.write(
+            f"reshard: process {jax.process_index()} waited {seconds:g} s for its peers in "
+            f"a collective reshard ({ENV_TIMEOUT_S}) and exits with status "
+            f"{TIMEOUT_EXIT_CODE}, so that they fail too instead of hanging. Likely a "
+            "process skipped a reshard call, made its calls in another order, called "
+            "other collectives in between, or is stuck.\n"
+        )
+        sys.stderr.flush()
+        os._exit(TIMEOUT_EXIT_CODE)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class CollectiveProgram:
@@ -265,12 +321,18 @@ def run_collective(
     alias = may_alias is not False
     key = f"collective_program(alias={alias}, pack_on_host={PACK_ON_HOST})"
     program: CollectiveProgram | None = plan._cache.get(key)
-    if program is None:
-        program = CollectiveProgram(
-            plan.leaf_plans, [s.dtype for s in sources], alias=alias, pack_on_host=PACK_ON_HOST
-        )
-        agree(program, shardings)  # before caching: a mismatch raises again on the next call
-        plan._cache[key] = program
-    if program.host_packed:
-        return host_packed.run_host_packed(program, sources, shardings)
-    return device_packed.run_device_packed(program, sources, shardings)
+    limit = collective_timeout_s() if jax.process_count() > 1 else 0.0
+    with watchdog(limit):
+        if program is None:
+            program = CollectiveProgram(
+                plan.leaf_plans,
+                [s.dtype for s in sources],
+                alias=alias,
+                pack_on_host=PACK_ON_HOST,
+            )
+            agree(program, shardings)  # before caching: a mismatch raises again next call
+            plan._cache[key] = program
+        if program.host_packed:
+            return host_packed.run_host_packed(program, sources, shardings)
+        # With a watchdog, it covers the collectives, not only their dispatch.
+        return device_packed.run_device_packed(program, sources, shardings, wait=limit > 0)
