@@ -386,23 +386,32 @@ def _run_scenarios(pack_on_host: bool) -> dict[str, str]:
     return report
 
 
+def _across_halves(seed: int) -> tuple[Any, Any, Any]:
+    """fsdp on the first half of the devices, tp on the second, and a 48x48 array
+    sharded the first way."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devs = np.array(jax.devices())
+    half = len(devs) // 2
+    a = NamedSharding(Mesh(devs[:half], ("f",)), P("f"))
+    b = NamedSharding(Mesh(devs[half:], ("t",)), P(None, "t"))
+    host = _ground_truth((48, 48), np.float32, seed)
+    x = jax.make_array_from_callback(host.shape, a, lambda idx: host[idx], dtype=host.dtype)
+    return a, b, x
+
+
 def _reshard_until_killed(victim: int, kill_at: int) -> int:
     """Reshards back and forth across processes; process ``victim`` dies mid-way."""
     import os
     import signal
 
     import jax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import reshard
 
-    devs = np.array(jax.devices())
-    half = len(devs) // 2
-    a = NamedSharding(Mesh(devs[:half], ("f",)), P("f"))
-    b = NamedSharding(Mesh(devs[half:], ("t",)), P(None, "t"))
-    host = _ground_truth((48, 48), np.float32, 3)
-    x = jax.make_array_from_callback(host.shape, a, lambda idx: host[idx], dtype=host.dtype)
+    a, b, x = _across_halves(3)
     for i in range(10_000):
         if i == kill_at and jax.process_index() == victim:
             print("dying now", flush=True)
@@ -419,20 +428,13 @@ def _skip_a_reshard(skipper: int, limit_s: float, pack_on_host: bool) -> None:
     import time
 
     import jax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import reshard
     from reshard import _collective_executor
 
     _collective_executor.PACK_ON_HOST = pack_on_host
     os.environ["RESHARD_COLLECTIVE_TIMEOUT_S"] = str(limit_s)
-    devs = np.array(jax.devices())
-    half = len(devs) // 2
-    a = NamedSharding(Mesh(devs[:half], ("f",)), P("f"))
-    b = NamedSharding(Mesh(devs[half:], ("t",)), P(None, "t"))
-    host = _ground_truth((48, 48), np.float32, 4)
-    x = jax.make_array_from_callback(host.shape, a, lambda idx: host[idx], dtype=host.dtype)
+    _, b, x = _across_halves(4)
     jax.block_until_ready(reshard.reshard(x, b, cache_resharding_plans=True))
     print("first reshard done", flush=True)  # the watchdog stayed quiet
     if jax.process_index() == skipper:
