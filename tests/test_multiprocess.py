@@ -273,7 +273,8 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
         x = make(a, src)
         procs = jax.process_count()
-        saved = _collective_host.CHUNK_BYTES, _collective_host.STAGE_BYTES
+        sizes = ("CHUNK_BYTES", "STAGE_BYTES", "WHOLE_BYTES", "WHOLE_STAGE_BYTES")
+        saved = {k: getattr(_collective_host, k) for k in sizes}
         pack, destinations = _collective_host._pack_stage, _collective_host._destinations
 
         def failing_pack(program: Any, s: int, views: Any) -> Any:
@@ -284,17 +285,28 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         def failing_destinations(*args: Any) -> Any:
             raise MemoryError("injected: out of host memory for the destination blocks")
 
-        # Process 0 sends, the last process receives.
+        # Process 0 sends, the last process receives; shards packed, or sent whole in
+        # row ranges (where the filler stands in for source rows, not packed chunks).
         cases = [
-            (0, "_pack_stage", failing_pack),
-            (procs - 1, "_destinations", failing_destinations),
+            (victim, name, broken, whole)
+            for victim, name, broken in (
+                (0, "_pack_stage", failing_pack),
+                (procs - 1, "_destinations", failing_destinations),
+            )
+            for whole in (False, True)
         ]
-        for victim, name, broken in cases:
-            _collective_host.CHUNK_BYTES = _collective_host.STAGE_BYTES = 256  # many stages
+        for victim, name, broken, whole in cases:
+            # Small buffers, so that there are many stages.
+            _collective_host.CHUNK_BYTES = _collective_host.STAGE_BYTES = 256
+            # Replicated destinations need all of every source shard: sent whole.
+            to = ns(devs[half:], ("t",), P()) if whole else dst
+            if whole:
+                _collective_host.WHOLE_BYTES = (0, 256)
+                _collective_host.WHOLE_STAGE_BYTES = 256
             if me == victim:
                 setattr(_collective_host, name, broken)
             try:
-                p = reshard.plan(x, dst, cache=False)
+                p = reshard.plan(x, to, cache=False)
                 p.execute(x, donate=True)
                 raise AssertionError(f"process {victim} failed in {name}, but nothing raised")
             except MemoryError as e:
@@ -304,16 +316,18 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 assert f"reshard failed on process(es) [{victim}]" in str(e), e
             finally:
                 _collective_host._pack_stage, _collective_host._destinations = pack, destinations
-                _collective_host.CHUNK_BYTES, _collective_host.STAGE_BYTES = saved
+                for k, v in saved.items():
+                    setattr(_collective_host, k, v)
             (program,) = [
                 v
                 for v in p._cache.values()
                 if isinstance(v, _collective_executor.CollectiveProgram)
             ]
             assert len(program.host.stages) > 3, len(program.host.stages)
+            assert any(ch.whole for ch in program.host.chunks) == whole
             assert not x.is_deleted()
             check(x, a, src)
-            check(reshard.reshard(x, dst), a, dst)
+            check(reshard.reshard(x, to), a, to)
 
     def a_process_failing_after_the_transfer_fails_alone() -> None:
         # Host-packed. A failure after every stage was called (here: unpacking what
