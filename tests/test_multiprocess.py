@@ -14,6 +14,7 @@ device-packed (the accelerator path, forced here on CPU).
 
 from __future__ import annotations
 
+import math
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,37 @@ def _ground_truth(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
     if np.issubdtype(np.dtype(dtype), np.complexfloating):
         return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
     return rng.integers(-8, 8, shape).astype(dtype)
+
+
+def _random_layout(
+    rng: np.random.Generator, count: int, ndim: int
+) -> tuple[np.ndarray, tuple[str, ...], list[Any], list[int]]:
+    """A random mesh over a random ordered subset of ``count`` devices (as positions,
+    shaped) with 1-3 axes, a random spec for a rank-``ndim`` array on it, and per
+    dimension the number of shards the spec cuts it into. Drawn from ``rng`` alone,
+    so every process draws the same."""
+    used = int(rng.integers(1, count + 1))
+    chosen = rng.permutation(count)[:used]
+    rank = int(rng.integers(1, 4))
+    shape = [1] * rank
+    left = used
+    for a in range(rank - 1):  # a random factorization of ``used``
+        divisors = [f for f in range(1, left + 1) if left % f == 0]
+        shape[a] = int(rng.choice(divisors))
+        left //= shape[a]
+    shape[-1] = left
+    names = tuple("xyz"[:rank])
+    free = list(range(rank))
+    entries: list[Any] = []
+    cuts = []
+    for _ in range(ndim):
+        take = int(rng.integers(0, min(2, len(free)) + 1))
+        axes = [free.pop(int(rng.integers(len(free)))) for _ in range(take)]
+        entries.append(
+            None if not axes else names[axes[0]] if take == 1 else tuple(names[a] for a in axes)
+        )
+        cuts.append(int(np.prod([shape[a] for a in axes], dtype=int)))
+    return chosen.reshape(shape), names, entries, cuts
 
 
 def _scenarios() -> dict[str, Callable[[], None]]:
@@ -354,6 +386,26 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         check(x, a, src)
         check(reshard.reshard(x, dst), a, dst)
 
+    def random_cases() -> None:
+        # Seeded, so that every process draws the same cases: random device subsets
+        # of every process, meshes, specs, shapes, element types and memory kinds.
+        rng = np.random.default_rng(2026)
+        dtypes = [np.float32, jnp.bfloat16, np.int8, np.bool_, jnp.int4, np.complex64]
+        kinds = [None, "device", "pinned_host"]
+        for case in range(16):
+            ndim = int(rng.choice([0, 1, 2, 2, 3, 3]))
+            layouts = [_random_layout(rng, n, ndim) for _ in range(2)]
+            shape = tuple(
+                math.lcm(a, b) * int(rng.integers(1, 5))
+                for a, b in zip(layouts[0][3], layouts[1][3], strict=True)
+            )
+            dtype = dtypes[int(rng.integers(len(dtypes)))]
+            src, dst = (
+                ns(devs[pos], names, P(*entries), kinds[int(rng.integers(len(kinds)))])
+                for pos, names, entries, _ in layouts
+            )
+            move(_ground_truth(shape, dtype, case), src, dst)
+
     host_only = (
         a_process_failing_mid_reshard_fails_every_process,
         a_process_failing_after_the_transfer_fails_alone,
@@ -377,6 +429,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             donation_frees_sources_after_success,
             failure_leaves_inputs_intact,
             different_arguments_raise_on_every_process,
+            random_cases,
         )
     }
 
@@ -538,6 +591,7 @@ SCENARIOS = [
     "donation_frees_sources_after_success",
     "failure_leaves_inputs_intact",
     "different_arguments_raise_on_every_process",
+    "random_cases",
 ]
 # Failures part-way through: the host-packed schedule's filler stages and status.
 HOST_SCENARIOS = [
