@@ -88,7 +88,7 @@ STAGE_BYTES = 12 * 2**20
 MIN_STAGES = 4
 # ...but no stage is made smaller than this to get there: a stage costs a fixed
 # latency (~1-2 ms over gloo here), which a small reshard would pay several times for
-# nothing to overlap. A/B in two launches each: a 38-array tree of ~2 KiB shards went
+# nothing to overlap. A/B in two launches each: a tree of 38 arrays of ~2 KiB went
 # from 5 stages to 1 and from ~17-19 to ~12-14 ms per relayout; with ~0.6 MiB per
 # device, 4 stages and 1 took the same time.
 MIN_STAGE_BYTES = 2**20
