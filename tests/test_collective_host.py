@@ -274,3 +274,39 @@ def test_same_layout_on_other_devices_sends_every_shard_whole() -> None:
             ops = [op for st_ in sched.unpack for _, pos_ops in st_.values() for op in pos_ops]
             assert all(op[6] is None and op[7] is None for op in ops)  # adopted as they are
             assert len(sched.arrive_whole) == (8 if me == 1 else 0)
+
+
+def test_shards_that_arrive_whole_are_sent_whole_from_a_lower_size() -> None:
+    """Between WHOLE_ARRIVING_BYTES and WHOLE_BYTES[0], a shard goes whole only where
+    it is exactly a destination shard (no copy at either end); a relayout's shard of
+    the same size is packed."""
+    devs = np.array(jax.devices())
+    mesh = jax.sharding.Mesh(devs[:4], ("f",))
+    same = NamedSharding(jax.sharding.Mesh(devs[4:], ("f",)), jax.sharding.PartitionSpec("f"))
+    src = NamedSharding(mesh, jax.sharding.PartitionSpec("f"))
+    tp = fsdp_to_tp()[0][1]
+    # Source shards of 16 x 32 x 2 = 1 KiB each, both leaves.
+    leaves = [(src, same, (64, 32), "bfloat16"), (src, tp, (64, 32), "bfloat16")]
+    blocks, copies = blocks_and_copies(leaves)
+    process = [0, 0, 0, 0, 1, 1, 1, 1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host, "WHOLE_BYTES", (2048, 2**30))
+        mp.setattr(host, "WHOLE_ARRIVING_BYTES", 1024)
+        simulate(leaves, 2, True, 4)
+        sched = host.HostSchedule(copies, blocks, [2, 2], process, 1)
+        whole_leaves = {
+            cp[0] for ch in sched.chunks if ch.whole for cps in ch.sends.values() for cp, _ in cps
+        }
+        packed_leaves = {
+            cp[0]
+            for ch in sched.chunks
+            if not ch.whole
+            for cps in ch.sends.values()
+            for cp, _ in cps
+        }
+        assert whole_leaves == {0} and packed_leaves == {1}
+        assert sched.arrive_whole == {(0, p) for p in range(4, 8)}
+        # Above both thresholds, both leaves are packed.
+        mp.setattr(host, "WHOLE_ARRIVING_BYTES", 2048)
+        sched = host.HostSchedule(copies, blocks, [2, 2], process, 1)
+        assert not any(ch.whole for ch in sched.chunks) and not sched.arrive_whole
