@@ -79,26 +79,32 @@ def _sync() -> None:
     multihost_utils.sync_global_devices("bench")
 
 
-def _time(fns: dict[str, Any], reps: int) -> dict[str, list[float]]:
-    """Seconds per call of each function, interleaved: every rep times each function
-    once, so a change in machine load hits all of them alike (this machine is shared).
-    The order rotates from rep to rep, so no function always runs after the same one
-    (what ran before decides, for one, how much of the memory a run gets is warm)."""
+def _time(fns: dict[str, tuple[Any, Any]], reps: int) -> dict[str, list[float]]:
+    """Seconds per call of each ``(function, tree)``, interleaved: every rep times each
+    function once, so a change in machine load hits all of them alike (this machine is
+    shared). The order rotates from rep to rep, so no function always runs after the
+    same one (what ran before decides, for one, how much of the memory a run gets is
+    warm). A function with a tree gets it as new array objects each time, made before
+    the clock starts (``fresh_arrays``: as after a training step, nothing cached on the
+    arrays by an earlier call is reused); one without is called with no argument."""
     import jax
 
-    for fn in fns.values():  # warm-up: compiles and caches
-        jax.block_until_ready(fn())
+    from reshard._bench import fresh_arrays
+
+    for fn, tree in fns.values():  # warm-up: compiles and caches
+        jax.block_until_ready(fn() if tree is None else fn(fresh_arrays(tree)))
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for rep in range(reps):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            fn = fns[name]
+            fn, tree = fns[name]
+            arg = None if tree is None else fresh_arrays(tree)
             _sync()
             t0 = time.perf_counter()
-            out = fn()
+            out = fn() if arg is None else fn(arg)
             jax.block_until_ready(out)
             times[name].append(time.perf_counter() - t0)
-            del out
+            del out, arg
     return times
 
 
@@ -159,8 +165,8 @@ def worker_single(full: bool, reps: int) -> dict[str, Any]:
         _collective_executor.PACK_ON_HOST = pack
         p = reshard.plan(tree, dst, executor=executor)
         _verify(p.execute(tree), full)
-        times.update(_time({name: functools.partial(p.execute, tree)}, reps))
-    times.update(_time({"jax.device_put": lambda: jax.device_put(tree, dst)}, reps))
+        times.update(_time({name: (p.execute, tree)}, reps))
+    times.update(_time({"jax.device_put": (lambda t: jax.device_put(t, dst), tree)}, reps))
     return {"times": times, "bytes_moved": reshard.plan(tree, dst).stats.bytes_moved}
 
 
@@ -185,7 +191,7 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
     union = Mesh(devs, ("r",))
     per_device = moved // half  # bytes each of process 0's devices sends
     pairs = [(i, i + half) for i in range(half)]
-    fns: dict[str, Any] = {}
+    fns: dict[str, tuple[Any, Any]] = {}
     for chunks in FLOOR_CHUNKS:
         # Separate input buffers, returned as they arrive: nothing but the network.
         n = -(-per_device // chunks)
@@ -206,13 +212,13 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
                 out_specs=P("r"),
             )
         )
-        fns[str(chunks)] = functools.partial(fn, *bufs)
-    fns["reshard"] = lambda: reshard.reshard(tree, dst, cache_resharding_plans=True)
+        fns[str(chunks)] = (functools.partial(fn, *bufs), None)
+    fns["reshard"] = (lambda t: reshard.reshard(t, dst, cache_resharding_plans=True), tree)
     # Weight sync between equal layouts moves the same bytes: every shard whole.
     same = _same_layout(tree)
     assert reshard.plan(tree, same).stats.bytes_moved == moved
     _verify(reshard.reshard(tree, same), full)
-    fns["same"] = lambda: reshard.reshard(tree, same, cache_resharding_plans=True)
+    fns["same"] = (lambda t: reshard.reshard(t, same, cache_resharding_plans=True), tree)
     times = _time(fns, reps)
     reshard_t = times.pop("reshard")
     same_t = times.pop("same")

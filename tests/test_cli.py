@@ -391,3 +391,39 @@ def test_bench_real_suite_small() -> None:
     assert 0 < row["bytes_moved"] <= row["dst_bytes"]
     assert row["reshard_s"] > 0 and row["vs_device_put"] > 0
     assert row["rss_rise_x"] is None  # --no-rss reached the suite
+
+
+def test_fresh_arrays_are_new_objects_over_the_same_buffers() -> None:
+    """What the demo and the benchmarks time each call on: no host copy cached by an
+    earlier ``device_put`` (which would let it skip its gather), nothing copied."""
+    from reshard._bench import fresh_arrays
+
+    devs = np.array(jax.devices())
+    mesh = Mesh(devs.reshape(2, 4), ("a", "b"))
+    host = np.arange(32 * 8, dtype=np.float32).reshape(32, 8)
+    tree = {
+        "w": jax.device_put(host, NamedSharding(mesh, P("b", "a"))),
+        "pinned": jax.device_put(host, NamedSharding(mesh, P("a"), memory_kind="pinned_host")),
+        "key": jax.device_put(jax.random.split(jax.random.key(1), 8), NamedSharding(mesh, P())),
+        "scalar": 3,
+    }
+    for name in ("w", "pinned"):
+        np.asarray(tree[name])  # caches a host copy on the array, as device_put's gather does
+        assert tree[name]._npy_value is not None
+    out = fresh_arrays(tree)
+    assert out["scalar"] == 3
+    for name in ("w", "pinned", "key"):
+        old, new = tree[name], out[name]
+        assert new is not old
+        if name != "key":
+            assert new._npy_value is None
+        assert new.sharding == old.sharding and new.dtype == old.dtype
+        for a, b in zip(old.addressable_shards, new.addressable_shards, strict=True):
+            assert a.device == b.device and a.index == b.index
+            if name != "key":
+                assert np.asarray(a.data).ctypes.data == np.asarray(b.data).ctypes.data
+    np.testing.assert_array_equal(np.asarray(out["w"]), host)
+    np.testing.assert_array_equal(np.asarray(out["pinned"]), host)
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(out["key"])), np.asarray(jax.random.key_data(tree["key"]))
+    )

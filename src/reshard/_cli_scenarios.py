@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ._bench import fresh_arrays
 from ._cli_render import device_ranges, plan_report
 
 LAYERS = 8
@@ -366,14 +367,14 @@ def _run_scenario(
     plan = reshard.plan(x, dst, avoid_devices=lost, cache=False)
     plan_ms = (time.perf_counter() - t0) * 1e3
 
-    def run_reshard() -> Any:
-        return reshard.reshard(x, dst, avoid_devices=lost, cache_resharding_plans=True)
+    def run_reshard(t: Any) -> Any:
+        return reshard.reshard(t, dst, avoid_devices=lost, cache_resharding_plans=True)
 
-    def run_device_put() -> Any:
-        return jax.device_put(x, dst)
+    def run_device_put(t: Any) -> Any:
+        return jax.device_put(t, dst)
 
     step(f"{sc.title}: first reshard")
-    out = jax.block_until_ready(run_reshard())
+    out = jax.block_until_ready(run_reshard(x))
     step(f"{sc.title}: verifying")
     check = verify(out, host, dst)
     sent_by_lost = sum(plan.stats.send_bytes.get(i, 0) for i in lost)
@@ -389,15 +390,18 @@ def _run_scenario(
         skipped = "not run: jax.device_put refuses or hangs on multi-process reshards"
         errors["device_put"] = skipped
     # A warm-up of each (compilation, caches), then alternate the two so that a noisy
-    # neighbour on the machine slows both alike.
+    # neighbour on the machine slows both alike. Each call gets new array objects over
+    # the same buffers, as after a training step: on one array, a repeated device_put
+    # would reuse the host copy that jax keeps from its first call (see fresh_arrays).
     for r in range(repeats + 1):
         for name, fn in (("reshard", run_reshard), ("device_put", run_device_put)):
             if name in errors:
                 continue
             step(f"{sc.title}: timing {name} ({r}/{repeats})")
+            arg = fresh_arrays(x)
             t0 = time.perf_counter()
             try:
-                y = jax.block_until_ready(fn())
+                y = jax.block_until_ready(fn(arg))
             except Exception as e:  # device_put refuses some reshards (multi-process)
                 if name == "reshard":
                     raise
@@ -405,7 +409,7 @@ def _run_scenario(
                 continue
             if r:
                 times[name].append(time.perf_counter() - t0)
-            del y
+            del y, arg
     timing: dict[str, Any] = {
         "plan_ms": plan_ms,
         "repeats": repeats,
