@@ -13,9 +13,11 @@ process 1, on the same union mesh, from buffers that already exist (nothing to
 pack). Over gloo a few large buffers move slower than many smaller ones at once, so
 the floor is timed with the bytes cut into 1 to 64 buffers per pair and the fastest
 is taken. A second reshard row moves the same tree to the same fsdp layout on process
-1 (weight sync between equal layouts), where every shard travels whole. Times are medians of several runs in one launch, every method timed once
-per round in turn; the ratio ``reshard / floor`` is the figure of merit (target: at
-most 1.5).
+1 (weight sync between equal layouts), where every shard travels whole. Times are
+medians of several runs in one launch, every method timed once per round in turn, each
+reshard on new array objects over the same buffers (``fresh_arrays``: as after a
+training step, nothing cached on the arrays by an earlier call is reused); the ratio
+``reshard / floor`` is the figure of merit (target: at most 1.5).
 
 The machine's load moves the floor from launch to launch, so ``--launches N`` repeats
 the whole 2-process run and prints each launch's ratios and their median. The quick
