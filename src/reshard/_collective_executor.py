@@ -50,8 +50,9 @@ __all__ = ["PACK_ON_HOST", "CollectiveProgram", "color_edges", "run_collective"]
 
 # None: pack on the host when every device is a CPU. Tests set True/False to force one.
 PACK_ON_HOST: bool | None = None
-# Seconds a collective reshard may wait for its peers before this process exits
-# (unset or 0: wait forever), and the exit status it then exits with.
+# Seconds a collective reshard may wait for its peers before this process exits (unset
+# or 0: no limit of ours; XLA's CPU collectives give up after 30 minutes, per its
+# source), and the exit status it then exits with.
 ENV_TIMEOUT_S = "RESHARD_COLLECTIVE_TIMEOUT_S"
 TIMEOUT_EXIT_CODE = 75
 
@@ -269,7 +270,8 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
     Processes that were called with different arguments (breaking the
     multi-controller contract, e.g. destination shardings built from
     ``jax.local_devices()``) would otherwise wait for each other in mismatched
-    collectives forever. One small all-gather over every process, once per program.
+    collectives (for 30 minutes, XLA's default). One small all-gather over every
+    process, once per program.
 
     Raises:
       ValueError: on every process, naming the processes whose program differs from
