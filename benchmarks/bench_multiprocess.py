@@ -91,7 +91,7 @@ def _time(fns: dict[str, tuple[Any, Any]], reps: int) -> dict[str, list[float]]:
     arrays by an earlier call is reused); one without is called with no argument."""
     import jax
 
-    from reshard._bench import fresh_arrays
+    from reshard._timing import fresh_arrays
 
     for fn, tree in fns.values():  # warm-up: compiles and caches
         jax.block_until_ready(fn() if tree is None else fn(fresh_arrays(tree)))

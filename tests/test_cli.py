@@ -396,7 +396,7 @@ def test_bench_real_suite_small() -> None:
 def test_fresh_arrays_are_new_objects_over_the_same_buffers() -> None:
     """What the demo and the benchmarks time each call on: no host copy cached by an
     earlier ``device_put`` (which would let it skip its gather), nothing copied."""
-    from reshard._bench import fresh_arrays
+    from reshard._timing import fresh_arrays
 
     devs = np.array(jax.devices())
     mesh = Mesh(devs.reshape(2, 4), ("a", "b"))

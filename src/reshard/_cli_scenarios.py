@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ._bench import fresh_arrays
 from ._cli_render import device_ranges, plan_report
+from ._timing import fresh_arrays
 
 LAYERS = 8
 # Bytes per d_model**2 of the tree below: per layer 4 d*d attention + 3 d*3d MLP
