@@ -51,8 +51,8 @@ __all__ = ["PACK_ON_HOST", "CollectiveProgram", "color_edges", "run_collective"]
 # None: pack on the host when every device is a CPU. Tests set True/False to force one.
 PACK_ON_HOST: bool | None = None
 # Seconds a collective reshard may wait for its peers before this process exits (unset
-# or 0: no limit of ours; XLA's CPU collectives give up after 30 minutes, per its
-# source), and the exit status it then exits with.
+# or 0: no limit of ours; on CPU, gloo then raises after 30 minutes, as measured), and
+# the exit status it then exits with.
 ENV_TIMEOUT_S = "RESHARD_COLLECTIVE_TIMEOUT_S"
 TIMEOUT_EXIT_CODE = 75
 

@@ -24,8 +24,9 @@ Failure behaviour (why the knobs below exist), as measured with jax 0.10.2 on CP
 - a peer never arrives: the others abort in ``jax.distributed.initialize``
   (DEADLINE_EXCEEDED in RegisterTask) after ``init_timeout_s`` (~9-11 s with 3 or 5 s);
 - processes that call different collectives (a broken multi-controller contract) wait
-  for each other until XLA's CPU collectives give up (a 30-minute default in its
-  source): only a timeout ends that sooner.
+  for each other until gloo gives up: the waiting process raised ("Timed out waiting
+  1800000ms for send operation to complete") after 30 minutes; only a timeout of ours
+  ends that sooner.
 
 So the launcher does not rely on the children alone: once one process has failed, the
 rest get ``peer_failure_grace_s`` to report their own error and are then killed, and
