@@ -317,10 +317,12 @@ class HostSchedule:
             nbytes = math.prod(block) * itemsizes[li]
             # Sent in this many row ranges of at most WHOLE_BYTES[1] bytes each.
             parts = -(-nbytes // max(1, WHOLE_BYTES[1]))
-            arrives_whole = parts == 1 and any(c[3] == block == blocks[li].dst_block for c in cs)
-            least = min(WHOLE_BYTES[0], WHOLE_ARRIVING_BYTES) if arrives_whole else WHOLE_BYTES[0]
+            # The copies that are the whole source block and a whole destination block:
+            # sent in one part, what arrives is that destination block.
+            whole = [c for c in cs if c[3] == block == blocks[li].dst_block and parts == 1]
+            least = min(WHOLE_BYTES[0], WHOLE_ARRIVING_BYTES) if whole else WHOLE_BYTES[0]
             if WHOLE_BYTES[1] > 0 and least <= nbytes and parts <= block[0] and _covers(cs, block):
-                forward.append((nbytes, li, src, cs, parts))
+                forward.append((nbytes, li, src, cs, parts, whole))
             else:
                 for c in cs:
                     remote[(c[1], c[2])].append(c)
@@ -332,9 +334,8 @@ class HostSchedule:
         # (array, destination position) of this process whose block is what arrives.
         self.arrive_whole: set[tuple[int, int]] = set()
         load: dict[int, int] = defaultdict(int)  # bytes landing on each position
-        for nbytes, li, src, cs, parts in sorted(forward, key=lambda f: (-f[0], f[1], f[2])):
+        for nbytes, li, src, cs, parts, whole in sorted(forward, key=lambda f: (-f[0], f[1], f[2])):
             src_block, dst_block = blocks[li].src_block, blocks[li].dst_block
-            whole = [c for c in cs if c[3] == src_block == dst_block and parts == 1]
             # Land on a device whose whole block it is (no copy there), else on the
             # least loaded device that needs part of it.
             land = whole[0][2] if whole else min({c[2] for c in cs}, key=lambda d: (load[d], d))
