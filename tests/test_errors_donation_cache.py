@@ -106,21 +106,26 @@ def test_data_loss_is_reported_before_moving(tree):
 
 
 @pytest.mark.parametrize("executor", ["host", "device"])
-def test_failure_mid_run_loses_nothing(tree, monkeypatch, executor):
-    """Inject a failure after some outputs exist: donated inputs must survive intact."""
+@pytest.mark.parametrize("copied_whole", [False, True])
+def test_failure_mid_run_loses_nothing(tree, monkeypatch, executor, copied_whole):
+    """Inject a failure after some outputs exist: donated inputs must survive intact.
+    ``copied_whole``: ``w`` only changes devices (copied shard by shard by PjRt) and
+    exists when ``b``'s assembly fails; else both are relaid and the second fails."""
     before = {k: np.asarray(v).copy() for k, v in tree.items()}
     real = _local_executor._compat.assemble
     calls = []
 
     def flaky(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == (1 if copied_whole else 2):
             raise RuntimeError("injected failure")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_local_executor._compat, "assemble", flaky)
+    to = sharding([4, 5, 6, 7])
+    dst = {"w": to if copied_whole else sharding([4, 5, 6, 7], P(None, "a")), "b": to}
     with pytest.raises(RuntimeError, match="injected failure"):
-        reshard.reshard(tree, sharding([4, 5, 6, 7]), donate=True, executor=executor)
+        reshard.reshard(tree, dst, donate=True, executor=executor)
     for k, v in tree.items():
         assert not v.is_deleted()
         np.testing.assert_array_equal(np.asarray(v), before[k])
