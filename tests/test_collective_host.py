@@ -159,11 +159,16 @@ def tiny_buffers() -> Iterator[None]:
     st.booleans(),
     st.integers(0, 2**16),
     st.sampled_from([(1, 0), (1, 64), (0, 100), (0, 2**30), (64, 2**30)]),
+    st.booleans(),
 )
-def test_host_schedule_moves_every_byte_once(leaves, processes, alias, seed, whole) -> None:
-    """``whole``: the sizes of whole shards sent as they are ((1, 0): none)."""
+def test_host_schedule_moves_every_byte_once(
+    leaves, processes, alias, seed, whole, bundled
+) -> None:
+    """``whole``: the sizes of whole shards sent as they are ((1, 0): none);
+    ``bundled``: whether smaller shards needed whole are packed whole."""
     with tiny_buffers(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(host, "WHOLE_BYTES", whole)
+        mp.setattr(host, "BUNDLED", bundled)
         simulate(leaves, processes, alias, seed)
 
 
@@ -210,6 +215,33 @@ def test_a_process_that_needs_whole_source_shards_gets_them_unpacked() -> None:
     takes = [op for st_ in receiver.unpack for _, ops in st_.values() for op in ops]
     assert len(takes) == 2 * 4 * 4  # every (array, source, destination) piece once
     assert not receiver.arrive_whole  # every destination block is assembled
+
+
+@pytest.mark.parametrize("bundled", [True, False])
+def test_small_shards_needed_whole_are_packed_whole(bundled) -> None:
+    """fsdp -> tp, shards below WHOLE_BYTES[0]: each sender packs each source shard
+    once, whole (one contiguous copy; not four column blocks, one per device), and the
+    receiving process cuts the four pieces out of it. Without bundling, four pieces."""
+    leaves = fsdp_to_tp()
+    blocks, copies = blocks_and_copies(leaves)
+    process = [0, 0, 0, 0, 1, 1, 1, 1]
+    with tiny_buffers(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host, "BUNDLED", bundled)
+        simulate(leaves, 2, True, 5)
+        sender = host.HostSchedule(copies, blocks, [2, 4], process, 0)
+        receiver = host.HostSchedule(copies, blocks, [2, 4], process, 1)
+    packs = [op for st_ in sender.pack for ops in st_.values() for op in ops]
+    takes = [op for st_ in receiver.unpack for _, ops in st_.values() for op in ops]
+    assert not any(ch.whole for ch in sender.chunks)
+    assert len(takes) >= 2 * 4 * 4  # every (array, source, destination) piece, or parts
+    if bundled:
+        # Whole source blocks, cut into rows only where a chunk is full.
+        assert {(op[3], op[5][1:]) for op in packs} == {(0, (32,)), (1, (16,))}
+        assert all(op[6] is not None for op in takes)  # every piece is cut out
+        # One sender per landing device and round: source i lands on one device.
+        assert len({pr for ch in sender.chunks for pr in ch.perm}) == 4
+    else:
+        assert len(packs) >= 2 * 4 * 4 and all(op[6] is None for op in takes)
 
 
 def test_large_source_shards_are_sent_in_row_ranges() -> None:
