@@ -71,7 +71,8 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         # Arrays whose shards all just change device go through PjRt's own batched
         # copy (started first: it runs while the executor copies the rest).
         whole = _copied_whole(plan, dst_shardings)
-        rest = [j for j in range(len(planned)) if j not in whole]
+        skip = set(whole)
+        rest = [j for j in range(len(planned)) if j not in skip]
         copied = _compat.copy_shards([sources[j] for j in whole], [dst_shardings[j] for j in whole])
         jobs = _jobs(plan)
         args = (
@@ -84,9 +85,10 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         elif plan.executor == "host":
             built = run_host([jobs[j] for j in rest], *args, may_alias=may_alias)
         else:
-            program = plan._cache.get("device_program")
+            key = f"device_program(private={_compat.USE_PRIVATE})"  # as its arrays
+            program = plan._cache.get(key)
             if program is None:
-                program = plan._cache["device_program"] = DeviceProgram([jobs[j] for j in rest])
+                program = plan._cache[key] = DeviceProgram([jobs[j] for j in rest])
             built = run_device(program, *args, may_alias=may_alias)
         by_index = dict(zip(whole, copied, strict=True)) | dict(zip(rest, built, strict=True))
         moved = [by_index[j] for j in range(len(planned))]
@@ -134,7 +136,9 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
     (``_compat.copy_shards``), with less overhead per array than any executor: a tree
     of 512 arrays of 64 KiB moved between two device sets in ~12 ms that way, against
     ~30 ms through the host executor and ~18 ms through ``jax.device_put``."""
-    whole = plan._cache.get("copied_whole")
+    # Device order differs between the private and the public path (see _compat).
+    key = f"copied_whole(private={_compat.USE_PRIVATE})"
+    whole = plan._cache.get(key)
     if whole is None:
         whole = []
         for j, (leaf, lp, dst) in enumerate(
@@ -152,7 +156,7 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
             dst_box = {s.device: s.box for s in lp.spec.dst}
             if all(src_box[a.id] == dst_box[b.id] for a, b in zip(src_devs, dst_devs, strict=True)):
                 whole.append(j)
-        plan._cache["copied_whole"] = whole
+        plan._cache[key] = whole
     return whole
 
 
