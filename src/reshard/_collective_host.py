@@ -48,9 +48,12 @@ The pool is bounded, so memory held between reshards stays bounded, and a reshar
 holds only the stages in flight, not all of its chunks at once. Packing in
 cache-sized bands of the sources measured the same as plain order in isolation.
 
-On 2 shared cores the fsdp -> tp relayout is CPU-bound: the receiver's one copy per
-byte (~50 core-ms per 288 MiB) competes with the kernel's loopback copies, and the
-stages' transfers slow down while it runs. Measured and not better there (each in
+On 2 shared cores the fsdp -> tp relayout is bound by CPU and memory bandwidth: the
+receiver's one copy per byte (~50 core-ms per 288 MiB; cutting column blocks out of
+memory not in cache runs at ~6 GB/s here, a plain copy at ~14) competes with the
+kernel's loopback copies, and the stages' transfers slow down while it runs. Copying
+row bands through a cached scratch buffer first was 1.7x faster alone and no faster
+in place (docs/multiprocess.md). Measured and not better there (each in
 its own plan, several launches): whole stages of 4, 8 or 16 MiB instead of 32;
 sending 256 KiB shards whole instead of packing them; packing everything on the
 sender; and senders assembling each destination block so that the receiver copies
