@@ -25,7 +25,7 @@ from typing import Any
 
 from ._timing import fresh_arrays
 
-SCENARIOS = ("disjoint", "relayout", "shrink", "leaves")
+SCENARIOS = ("disjoint", "sync", "relayout", "shrink", "leaves")
 
 
 def setup_devices(n: int = 8) -> None:
@@ -163,6 +163,14 @@ def scenario(name: str, size_mb: float) -> tuple[dict[str, Any], dict[str, Any],
             for k, (s, _) in shapes.items()
         }
         return _make_tree(shapes, src), dst, False
+    if name == "sync":
+        # Weight sync between equal layouts (trainer -> sampler with the same
+        # sharding): every shard only changes devices.
+        return (
+            _make_tree(shapes, fsdp(Mesh(devs[:4], ("fsdp",)))),
+            fsdp(Mesh(devs[4:8], ("fsdp",))),
+            False,
+        )
     if name == "relayout":
         src = fsdp(Mesh(devs[:8], ("fsdp",)))
         mesh = Mesh(devs[:8].reshape(2, 4), ("data", "model"))
