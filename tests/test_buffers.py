@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
-from reshard._buffers import HostPool
+from reshard._buffers import HostPool, carve
 
 DEVS = jax.devices()
 
@@ -31,6 +31,20 @@ def test_blocks_return_only_when_every_view_is_gone():
     assert pool.hits == 1 and pool.cached_bytes == 0
     c = pool.take(4096)  # b is alive: a second block must be new
     assert c.ctypes.data != b.ctypes.data and pool.misses == 2
+
+
+def test_carve_gives_aligned_disjoint_buffers_of_one_block():
+    sizes = [0, 1, 63, 64, 100, 4096]
+    bufs = carve(sizes)
+    assert [b.nbytes for b in bufs] == sizes and carve([]) == []
+    starts = [b.ctypes.data for b in bufs]
+    assert all(p % 64 == 0 for p in starts)
+    assert all(b.base is bufs[0].base for b in bufs)  # one pooled block
+    spans = sorted((p, p + b.nbytes) for p, b in zip(starts, bufs, strict=True))
+    assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:], strict=False))  # disjoint
+    for i, b in enumerate(bufs):
+        b[:] = i
+    assert all((b == i).all() for i, b in enumerate(bufs))
 
 
 def test_pool_is_bounded():

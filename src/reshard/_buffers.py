@@ -22,6 +22,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -124,6 +125,21 @@ def release_host_buffers() -> int:
     freed = POOL.cached_bytes
     POOL.clear()
     return freed
+
+
+def carve(sizes: Sequence[int]) -> list[np.ndarray]:
+    """One uint8 buffer per size, all carved out of one pooled block, each 64-byte
+    aligned: for many small destination shards, where a lease apiece (~10 us) would
+    cost more than filling them. Any one of them kept alive keeps the whole block."""
+    if not sizes:
+        return []
+    block = POOL.take(sum(align_up(n) for n in sizes))
+    out = []
+    offset = 0
+    for n in sizes:
+        out.append(block[offset : offset + n])
+        offset += align_up(n)
+    return out
 
 
 def host_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

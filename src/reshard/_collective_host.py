@@ -77,7 +77,7 @@ import numpy as np
 from . import _collective_common as common
 from . import _compat
 from . import _local_executor as local
-from ._buffers import POOL, align_up, host_empty
+from ._buffers import POOL, align_up, carve, host_empty
 from ._collective_common import Copy, LeafBlocks
 from ._geometry import box_shape, full_box, subtract_many
 
@@ -635,13 +635,8 @@ def _destinations(
                 small.append((mine, li, nbytes))
             else:
                 mine[li] = host_empty(block, dtype)
-    if small:
-        arena = POOL.take(sum(align_up(n) for _, _, n in small))
-        offset = 0
-        for mine, li, nbytes in small:
-            view = arena[offset : offset + nbytes].view(program.dtypes[li])
-            mine[li] = view.reshape(program.leaves[li].dst_block)
-            offset += align_up(nbytes)
+    for (mine, li, _), raw in zip(small, carve([n for _, _, n in small]), strict=True):
+        mine[li] = raw.view(program.dtypes[li]).reshape(program.leaves[li].dst_block)
     return outs
 
 

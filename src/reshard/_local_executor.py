@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
-from ._buffers import POOL, align_up, host_empty
+from ._buffers import carve, host_empty
 from ._geometry import box_shape, relative_slices
 from ._planner import LeafPlan
 
@@ -151,14 +151,16 @@ def run_host(
       may_alias: whether an unchanged shard may be handed over without a copy.
     """
     alias = may_alias is not False
-    arena_bytes = 0
-    for job, tg in zip(jobs, targets, strict=True):
-        for di, _ in tg:
-            n = job.nbytes[di]
-            if n < SMALL_SHARD_BYTES and not (alias and di in job.reused):
-                arena_bytes += align_up(n)
-    arena = POOL.take(arena_bytes) if arena_bytes else None
-    offset = 0
+    small = iter(
+        carve(
+            [
+                job.nbytes[di]
+                for job, tg in zip(jobs, targets, strict=True)
+                for di, _ in tg
+                if job.nbytes[di] < SMALL_SHARD_BYTES and not (alias and di in job.reused)
+            ]
+        )
+    )
     big: list[tuple[int, Callable[[], Any]]] = []  # (bytes, copy) per large shard
     leaves: list[tuple[list[Any], list[Any]]] = []
     for job, src, tg in zip(jobs, sources, targets, strict=True):
@@ -175,9 +177,7 @@ def run_host(
                 n = job.nbytes[di]
                 shape = job.shapes[di]
                 if n < SMALL_SHARD_BYTES:
-                    assert arena is not None
-                    out = arena[offset : offset + n].view(job.dtype).reshape(shape)
-                    offset += align_up(n)
+                    out = next(small).view(job.dtype).reshape(shape)
                     _fill(out, job.copies[di], bufs, spec.src, views)
                 else:
                     out = host_empty(shape, job.dtype)
