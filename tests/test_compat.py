@@ -53,57 +53,36 @@ def test_aligned_empty_is_aligned():
         assert a.ctypes.data % 64 == 0
 
 
-def _mesh(ids, shape, names):
-    return Mesh(np.array([DEVS[i] for i in ids]).reshape(shape), names)
+def _ns(ids, spec, shape=None, names=("a",), memory_kind=None):
+    """A NamedSharding over devices ``ids`` (a 1-D mesh unless ``shape``)."""
+    mesh = Mesh(np.array([DEVS[i] for i in ids]).reshape(shape or (len(ids),)), names)
+    return NamedSharding(mesh, spec, memory_kind=memory_kind)
 
 
+FSDP = _ns([0, 1, 2, 3], P("a"))
 # (source sharding, destination sharding, copied shard by shard?)
 WHOLE_CASES = {
-    "same layout, other devices": (
-        NamedSharding(_mesh([0, 1, 2, 3], (4,), ("a",)), P("a")),
-        NamedSharding(_mesh([4, 5, 6, 7], (4,), ("a",)), P("a")),
-        True,
-    ),
-    "other device order": (
-        NamedSharding(_mesh([0, 1, 2, 3], (4,), ("a",)), P("a")),
-        NamedSharding(_mesh([7, 5, 6, 4], (4,), ("a",)), P("a")),
-        True,
-    ),
+    "same layout, other devices": (FSDP, _ns([4, 5, 6, 7], P("a")), True),
+    "other device order": (FSDP, _ns([7, 5, 6, 4], P("a")), True),
     "2-D mesh, other mesh shape, same boxes by position": (
-        NamedSharding(_mesh([0, 1, 2, 3], (2, 2), ("x", "y")), P(("x", "y"))),
-        NamedSharding(_mesh([4, 5, 6, 7], (4,), ("a",)), P("a")),
+        _ns([0, 1, 2, 3], P(("x", "y")), (2, 2), ("x", "y")),
+        _ns([4, 5, 6, 7], P("a")),
         True,
     ),
-    "replicated": (
-        NamedSharding(_mesh([0, 1], (2,), ("a",)), P()),
-        NamedSharding(_mesh([6, 7], (2,), ("a",)), P()),
-        True,
-    ),
+    "replicated": (_ns([0, 1], P()), _ns([6, 7], P()), True),
     "pinned host to pinned host": (
-        NamedSharding(_mesh([0, 1, 2, 3], (4,), ("a",)), P("a"), memory_kind="pinned_host"),
-        NamedSharding(_mesh([4, 5, 6, 7], (4,), ("a",)), P("a"), memory_kind="pinned_host"),
+        _ns([0, 1, 2, 3], P("a"), memory_kind="pinned_host"),
+        _ns([4, 5, 6, 7], P("a"), memory_kind="pinned_host"),
         True,
     ),
-    "memory kind changes": (
-        NamedSharding(_mesh([0, 1, 2, 3], (4,), ("a",)), P("a")),
-        NamedSharding(_mesh([4, 5, 6, 7], (4,), ("a",)), P("a"), memory_kind="pinned_host"),
-        False,
-    ),
+    "memory kind changes": (FSDP, _ns([4, 5, 6, 7], P("a"), memory_kind="pinned_host"), False),
     "boxes move between positions": (
-        NamedSharding(_mesh([0, 1, 2, 3], (4,), ("a",)), P("a")),
-        NamedSharding(_mesh([4, 5, 6, 7], (2, 2), ("x", "y")), P(("y", "x"))),
+        FSDP,
+        _ns([4, 5, 6, 7], P(("y", "x")), (2, 2), ("x", "y")),
         False,
     ),
-    "overlapping devices": (
-        NamedSharding(_mesh([0, 1, 2, 3], (4,), ("a",)), P("a")),
-        NamedSharding(_mesh([2, 3, 4, 5], (4,), ("a",)), P("a")),
-        False,
-    ),
-    "relayout": (
-        NamedSharding(_mesh([0, 1, 2, 3], (4,), ("a",)), P("a")),
-        NamedSharding(_mesh([4, 5, 6, 7], (4,), ("a",)), P(None, "a")),
-        False,
-    ),
+    "overlapping devices": (FSDP, _ns([2, 3, 4, 5], P("a")), False),
+    "relayout": (FSDP, _ns([4, 5, 6, 7], P(None, "a")), False),
 }
 
 
@@ -114,13 +93,13 @@ def test_arrays_that_only_change_devices_are_copied_shard_by_shard(private, exec
     or ``jax.device_put`` on the public path); every other array goes through it. The
     result is the same, bit for bit, in a tree that mixes both, donated or not."""
     src, dst, whole = WHOLE_CASES[case]
-    relaid = NamedSharding(_mesh([4, 5], (2,), ("a",)), P(None, "a"))
+    relaid = _ns([4, 5], P(None, "a"))
     a = np.random.default_rng(0).integers(0, 2**16, (8, 12)).astype(np.uint16)
     b = np.arange(48, dtype=np.float32).reshape(8, 6)
     for donate in (False, True):
         tree = {
             "a": place(a, src),
-            "b": place(b, NamedSharding(_mesh([0, 1], (2,), ("a",)), P("a"))),
+            "b": place(b, _ns([0, 1], P("a"))),
         }
         p = reshard.plan(tree, {"a": dst, "b": relaid}, executor=executor, cache=False)
         out = p.execute(tree, donate=donate)
