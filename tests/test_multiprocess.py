@@ -80,7 +80,12 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     from jax.sharding import PartitionSpec as P
 
     import reshard
-    from reshard import _collective_common, _collective_executor, _collective_host
+    from reshard import (
+        _collective_common,
+        _collective_device,
+        _collective_executor,
+        _collective_host,
+    )
 
     devs = np.array(jax.devices())
     n = len(devs)
@@ -386,6 +391,36 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         check(x, a, src)
         check(reshard.reshard(x, dst), a, dst)
 
+    def a_process_failing_before_the_program_fails_every_process() -> None:
+        # Device-packed. One process fails while building its inputs (out of device
+        # memory for the placeholders, say). It tells the others before anyone calls
+        # the program: every process raises (no hang, no partial results), the inputs
+        # stay intact, and all stay in step (the next reshard works).
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        x = make(a, src)
+        build = _collective_device.block_inputs
+        for victim in (0, jax.process_count() - 1):  # a sender, then a receiver
+
+            def failing_build(*args: Any) -> Any:
+                raise MemoryError("injected: out of device memory for the inputs")
+
+            if me == victim:
+                _collective_device.block_inputs = failing_build
+            try:
+                reshard.plan(x, dst, cache=False).execute(x, donate=True)
+                raise AssertionError(f"process {victim} failed, but nothing raised")
+            except MemoryError as e:
+                assert me == victim and "injected" in str(e), e
+                assert any("told the other processes" in n for n in e.__notes__), e
+            except RuntimeError as e:
+                assert me != victim, e
+                assert f"reshard failed on process(es) [{victim}] while preparing" in str(e), e
+            finally:
+                _collective_device.block_inputs = build
+            assert not x.is_deleted()
+            check(x, a, src)
+            check(reshard.reshard(x, dst), a, dst)
+
     def random_cases() -> None:
         # Seeded, so that every process draws the same cases: random device subsets
         # of every process, meshes, specs, shapes, element types and memory kinds.
@@ -410,10 +445,11 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         a_process_failing_mid_reshard_fails_every_process,
         a_process_failing_after_the_transfer_fails_alone,
     )
+    device_only = (a_process_failing_before_the_program_fails_every_process,)
     return {
         f.__name__: f
         for f in (
-            *(host_only if _collective_executor.PACK_ON_HOST else ()),
+            *(host_only if _collective_executor.PACK_ON_HOST else device_only),
             disjoint,
             overlapping,
             shrink_8_to_6,
@@ -598,6 +634,8 @@ HOST_SCENARIOS = [
     "a_process_failing_mid_reshard_fails_every_process",
     "a_process_failing_after_the_transfer_fails_alone",
 ]
+# Failures before the device-packed program: the status exchanged before calling it.
+DEVICE_SCENARIOS = ["a_process_failing_before_the_program_fails_every_process"]
 
 
 @pytest.mark.timeout(180)
@@ -614,7 +652,7 @@ def test_every_scenario_on_every_process(procs: int, devices: int, pack: str) ->
     assert len(results) == procs
     failures = []
     for r in results:
-        want = SCENARIOS + (HOST_SCENARIOS if pack == "host" else [])
+        want = SCENARIOS + (HOST_SCENARIOS if pack == "host" else DEVICE_SCENARIOS)
         assert sorted(r.value) == sorted(want), r.value.keys()
         failures += [
             f"process {r.process_id}, {name}:\n{tb}" for name, tb in r.value.items() if tb != "ok"

@@ -177,3 +177,34 @@ def finish(
         return _compat.assemble(shape, dtype, sharding, parts, devs)  # zero-copy on CPU
     parts = _compat.place_host_buffers(parts, devs, sharding.memory_kind)
     return jax.make_array_from_single_device_arrays(shape, sharding, parts, dtype=dtype)
+
+
+def status_input(program: Any, failed: bool) -> jax.Array:
+    """This process's status, to be summed over the union mesh (``psum``): per process,
+    1 where it is this one and it failed; one device per process counts."""
+    me, count = jax.process_index(), jax.process_count()
+    rows = [np.zeros((count,), np.int32) for _ in program.local_devices]
+    rows[0][me] = int(failed)
+    return _compat.assemble(
+        (len(program.devices) * count,),
+        np.dtype(np.int32),
+        program.block_sharding,
+        rows,
+        program.local_devices,
+    )
+
+
+def failed_processes(status: jax.Array | None) -> list[int]:
+    """The processes that reported a failure in a summed status."""
+    if status is None:
+        return []
+    return np.flatnonzero(np.asarray(status.addressable_shards[0].data)).tolist()
+
+
+def peers_failed(failed: Sequence[int], when: str) -> RuntimeError:
+    """The error of a process whose peers ``failed`` ``when``: it made no results."""
+    return RuntimeError(
+        f"reshard failed on process(es) {list(failed)} {when} (their own error says "
+        "why), so this process's results would be incomplete: none were made. Every "
+        "process of the reshard raises, all still in step; the inputs are intact"
+    )

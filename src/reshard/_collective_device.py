@@ -287,14 +287,41 @@ def run_device_packed(
 ) -> list[jax.Array]:
     """Runs a device-packed program and builds this process's destination arrays;
     with ``wait``, returns only once the program (its collectives) has finished here,
-    even where this process keeps none of its outputs."""
-    if program.local_devices:
-        outputs = program.compiled()(*block_inputs(program, sources))
+    even where this process keeps none of its outputs.
+
+    Across processes, a failure while building this process's inputs (out of memory
+    for the placeholders, or staging host-memory shards) must not leave the peers
+    waiting in the program's collectives: before calling it, every process of the
+    union mesh learns whether any other failed (``exchange_status``), and if one did,
+    none calls it and every one raises, all still in step. That costs one small
+    all-reduce, and waiting for the inputs to be ready (an error in making them
+    surfaces only then), so such a reshard returns once its inputs exist.
+    """
+    if not program.local_devices:
+        # This process holds no device of the union: nothing to send, nothing to keep.
+        outputs: Sequence[jax.Array | None] = [None] * len(sources)
+    else:
+        if jax.process_count() == 1:
+            inputs = block_inputs(program, sources)
+        else:
+            failure: Exception | None = None
+            try:
+                inputs = jax.block_until_ready(block_inputs(program, sources))
+            except Exception as e:
+                failure = e
+            failed = program.exchange_status(failure is not None)
+            if failure is not None:
+                failure.add_note(
+                    "reshard: this process failed while preparing its part of a "
+                    "collective reshard. It told the other processes before any data "
+                    "moved, and every one of them raises too; the inputs are intact."
+                )
+                raise failure
+            if failed:
+                raise common.peers_failed(failed, "while preparing their inputs")
+        outputs = program.compiled()(*inputs)
         if wait:
             jax.block_until_ready(outputs)
-    else:
-        # This process holds no device of the union: nothing to send, nothing to keep.
-        outputs = [None] * len(sources)
     return [
         assemble(program, li, src, out, sharding)
         for li, (src, out, sharding) in enumerate(zip(sources, outputs, shardings, strict=True))

@@ -43,7 +43,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from . import _collective_device as device_packed
 from . import _collective_host as host_packed
-from ._collective_common import AXIS, all_copies, color_edges
+from ._collective_common import (
+    AXIS,
+    all_copies,
+    color_edges,
+    failed_processes,
+    status_input,
+)
 from ._planner import LeafPlan
 
 __all__ = ["PACK_ON_HOST", "CollectiveProgram", "color_edges", "run_collective"]
@@ -187,6 +193,7 @@ class CollectiveProgram:
             self.rounds = device_packed.device_rounds(copies, keep, self.in_dtypes, n)
             self.in_shapes = [(n * lf.src_block[0], *lf.src_block[1:]) for lf in self.leaves]
         self._compiled: dict[int, Any] = {}
+        self._status_fn: Any = None
         self._placeholder_fns: dict[tuple[int, tuple[int, ...]], Any] = {}
 
     @property
@@ -248,6 +255,28 @@ class CollectiveProgram:
         ]
         fn = self._compiled[stage] = program.lower(*avals).compile()
         return fn
+
+    def exchange_status(self, failed: bool) -> list[int]:
+        """Tells every process of the union mesh whether this one failed, and returns
+        the processes that did: one small ``psum`` over the union mesh, waited for.
+        Every process with a device in the union mesh must call it (the device-packed
+        path does, before its program)."""
+        if self._status_fn is None:
+            program = jax.jit(
+                jax.shard_map(
+                    lambda x: lax.psum(x, AXIS),
+                    mesh=self.mesh,
+                    in_specs=PartitionSpec(AXIS),
+                    out_specs=PartitionSpec(AXIS),
+                )
+            )
+            aval = jax.ShapeDtypeStruct(
+                (len(self.devices) * jax.process_count(),),
+                np.dtype(np.int32),
+                sharding=self.block_sharding,
+            )
+            self._status_fn = program.lower(aval).compile()
+        return failed_processes(self._status_fn(status_input(self, failed)))
 
     def placeholders(self, device: Any, leaves: Sequence[int]) -> list[jax.Array]:
         """Zero source blocks for ``leaves`` on ``device`` (one dispatch per device)."""

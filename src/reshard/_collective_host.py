@@ -543,28 +543,6 @@ def _filler_stage(program: CollectiveProgram, s: int) -> list[jax.Array]:
     return _stage_arrays(program, ids, [row] * len(program.local_devices))
 
 
-def _status(program: CollectiveProgram, failed: bool) -> jax.Array:
-    """This process's status for the last stage: per process, 1 where it is this one
-    and it failed; the stage sums them over every device (one per process counts)."""
-    me, count = jax.process_index(), jax.process_count()
-    rows = [np.zeros((count,), np.int32) for _ in program.local_devices]
-    rows[0][me] = int(failed)
-    return _compat.assemble(
-        (len(program.devices) * count,),
-        np.dtype(np.int32),
-        program.block_sharding,
-        rows,
-        program.local_devices,
-    )
-
-
-def _failed_processes(status: jax.Array | None) -> list[int]:
-    """The processes that reported a failure in the last stage's status."""
-    if status is None:
-        return []
-    return np.flatnonzero(np.asarray(status.addressable_shards[0].data)).tolist()
-
-
 def _unpack_stage(
     program: CollectiveProgram,
     s: int,
@@ -674,7 +652,7 @@ def run_host_packed(
                 sent = _filler_stage(program, s)
             if s == last:
                 reported = failure is not None
-                sent.append(_status(program, reported))
+                sent.append(common.status_input(program, reported))
             # A failure of the call itself is not survivable: whether this process
             # joined the stage's collectives is unknown, so it raises at once.
             received = list(program.compiled(s)(*sent))
@@ -718,13 +696,9 @@ def run_host_packed(
                 "every stage, and every other process raises too; the inputs are intact."
             )
         raise failure
-    failed = _failed_processes(status)
+    failed = common.failed_processes(status)
     if failed:
-        raise RuntimeError(
-            f"reshard failed on process(es) {failed} while moving data (their own error "
-            "says why), so this process's results would be incomplete: none were made. "
-            "Every process of the reshard raises, all still in step; the inputs are intact"
-        )
+        raise common.peers_failed(failed, "while moving data")
     for f in pending:
         f.result()
     assert outs is not None
