@@ -35,6 +35,41 @@ def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+# Strided copies whose rows (runs along the last axis) are this short or shorter are
+# made one row at a time, each row one raw item (``copy_into``). Local executor, a
+# 32 MiB array from row shards to column shards, A/B in one process: rows of 4 B took
+# 0.22-0.23x the time, 16 B 0.71x, 64 B 0.73-0.84x; 128 B 0.99-1.01x; 512 B
+# 1.02-1.11x, and the 288 MiB LLM tree (512 B and 2 KiB rows) 1.2x, where numpy's
+# own loop over the elements is faster.
+ROW_ITEM_BYTES = 64
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray, at: tuple[slice, ...] = ()) -> None:
+    """``dst[at] = src``, for ``dst[at]`` and ``src`` of one shape and element type, bit
+    for bit.
+
+    Where both are strided (a piece cut out of a block, or written into one) with
+    short contiguous rows along their last axis, each row is copied as one raw item:
+    numpy then runs one loop over the rows, where it would otherwise restart its inner
+    loop for every row of a few elements (``ROW_ITEM_BYTES``).
+    """
+    if at:
+        dst = dst[at]  # slices: a view
+    if (
+        dst.ndim >= 2
+        and dst.shape[-1] > 1
+        and dst.shape[-1] * dst.itemsize <= ROW_ITEM_BYTES
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.strides[-1] == src.strides[-1] == dst.itemsize
+        and not (dst.flags.c_contiguous and src.flags.c_contiguous)
+    ):
+        row = np.dtype((np.void, dst.shape[-1] * dst.itemsize))
+        dst.view(row)[..., 0] = src.view(row)[..., 0]
+    else:
+        dst[...] = src
+
+
 def _limit_from_env() -> int:
     raw = os.environ.get("RESHARD_HOST_POOL_BYTES", str(1 << 30))
     try:

@@ -77,7 +77,7 @@ import numpy as np
 from . import _collective_common as common
 from . import _compat
 from . import _local_executor as local
-from ._buffers import POOL, align_up, carve, host_empty
+from ._buffers import POOL, align_up, carve, copy_into, host_empty
 from ._collective_common import Copy, LeafBlocks
 from ._geometry import box_shape, full_box, subtract_many
 
@@ -457,7 +457,7 @@ def _fill(bufs: Sequence[np.ndarray], views: dict[int, np.ndarray], ops: Sequenc
     """Packs one sender's pieces into its chunks of a stage."""
     for k, a, b, li, sl, shape in ops:
         src = views[li]
-        bufs[k][a:b].view(src.dtype).reshape(shape)[...] = src[sl]
+        copy_into(bufs[k][a:b].view(src.dtype).reshape(shape), src[sl])
 
 
 def _take(
@@ -476,7 +476,7 @@ def _take(
         if put is None:
             outs[li] = piece
         else:
-            outs[li][put] = piece
+            copy_into(outs[li], piece, put)
 
 
 def _copy_local(
@@ -484,7 +484,7 @@ def _copy_local(
 ) -> None:
     """Copies pieces between devices of this process into one destination block."""
     for li, s, _, shape, s0, d0 in copies:
-        out[_slices(d0, shape)] = views[s][li][_slices(s0, shape)]
+        copy_into(out, views[s][li][_slices(s0, shape)], _slices(d0, shape))
 
 
 def _pack_stage(

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
-from ._buffers import carve, host_empty
+from ._buffers import carve, copy_into, host_empty
 from ._geometry import box_shape, relative_slices
 from ._planner import LeafPlan
 
@@ -84,7 +84,7 @@ def _fill(
         v = views.get(si)
         if v is None:
             v = views[si] = np.asarray(bufs[src_specs[si].device])
-        out[dsl] = v[ssl]
+        copy_into(out, v[ssl], dsl)
     return out
 
 
