@@ -25,7 +25,7 @@ from typing import Any
 
 from ._timing import fresh_arrays
 
-SCENARIOS = ("disjoint", "sync", "relayout", "shrink", "leaves")
+SCENARIOS = ("disjoint", "sync", "relayout", "shrink", "leaves", "narrow")
 
 
 def setup_devices(n: int = 8) -> None:
@@ -148,6 +148,17 @@ def scenario(name: str, size_mb: float) -> tuple[dict[str, Any], dict[str, Any],
         return (
             _make_tree(shapes, dict.fromkeys(shapes, one_src)),
             dict.fromkeys(shapes, one_dst),
+            False,
+        )
+    if name == "narrow":
+        # Narrow matrices (MoE routers: one column per expert) from row shards to
+        # column shards on other devices: every piece is 32-byte rows.
+        shapes = {f"router{i:02d}": ((16384, 32), "float32") for i in range(32)}
+        rows = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
+        cols = NamedSharding(Mesh(devs[4:8], ("expert",)), P(None, "expert"))
+        return (
+            _make_tree(shapes, dict.fromkeys(shapes, rows)),
+            dict.fromkeys(shapes, cols),
             False,
         )
     shapes = llm_shapes(size_mb)
