@@ -38,7 +38,7 @@ def align_up(n: int) -> int:
 # Strided copies whose rows (runs along the last axis) are this short or shorter are
 # made one row at a time, each row one raw item (``copy_into``). Local executor, a
 # 32 MiB array from row shards to column shards, A/B in one process: rows of 4 B took
-# 0.22-0.23x the time, 16 B 0.71x, 64 B 0.73-0.84x; 128 B 0.99-1.01x; 512 B
+# 0.22-0.25x the time, 16 B 0.62-0.71x, 64 B 0.73-0.88x; 128 B 0.99-1.01x; 512 B
 # 1.02-1.11x, and the 288 MiB LLM tree (512 B and 2 KiB rows) 1.2x, where numpy's
 # own loop over the elements is faster.
 ROW_ITEM_BYTES = 64
