@@ -16,6 +16,7 @@ DTYPES = [
     "float32",
     "bfloat16",
     "float16",
+    "float8_e5m2",
     "int8",
     "int32",
     "uint8",

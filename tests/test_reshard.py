@@ -118,6 +118,40 @@ def test_named_cases(executor, name, src_ids, src_spec, dst_ids, dst_spec):
     run_case(src, dst, shape, "float32", executor=executor)
 
 
+# NaNs of every kind (quiet and signalling, payloads, both signs), infinities, zeros
+# of both signs and the smallest subnormal, as raw bits per element type.
+SPECIAL_BITS = {
+    "bfloat16": [0x7FF0, 0x7F81, 0xFFC1, 0xFF80, 0x7F80, 0x8000, 0x0000, 0x0001],
+    "float16": [0x7E01, 0x7C01, 0xFE05, 0xFC00, 0x7C00, 0x8000, 0x0000, 0x0001],
+    "float32": [0x7FC00001, 0x7F800001, 0xFFC00005, 0xFF800000, 0x7F800000, 0x80000000, 0, 1],
+    "float8_e5m2": [0x7D, 0x7E, 0xFD, 0xFE, 0x7C, 0x80, 0x00, 0x01],
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(SPECIAL_BITS))
+@pytest.mark.parametrize(
+    "executor,pack_on_host",
+    [("host", None), ("device", None), ("collective", True), ("collective", False)],
+)
+def test_special_values_move_bit_for_bit(monkeypatch, executor, pack_on_host, dtype):
+    # Each destination shard is put together from pieces of two source shards, which
+    # compiled programs do by concatenating: on CPU that turns every bfloat16 and
+    # float8_e5m2 NaN into the canonical one unless the program moves bits.
+    from reshard import _collective_executor
+
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    unsigned = np.dtype(f"u{np.dtype(jax.numpy.dtype(dtype)).itemsize}")
+    bits = np.resize(np.array(SPECIAL_BITS[dtype], unsigned), 48 * 8).reshape(48, 8)
+    truth = bits.view(jax.numpy.dtype(dtype))
+    src = NamedSharding(mesh1([0, 1]), P(None, "a"))
+    for dst in (
+        NamedSharding(mesh1([2, 3, 4]), P("a")),  # other devices
+        NamedSharding(mesh1([0, 1, 2]), P("a")),  # overlapping
+    ):
+        y = reshard.reshard(place(truth, src), dst, executor=executor)
+        check_result(y, truth, dst)
+
+
 def test_identity_moves_nothing_and_aliases():
     s = NamedSharding(mesh1([0, 1, 2, 3]), P("a"))
     x = place(np.arange(32.0), s)

@@ -29,7 +29,7 @@ from jax.sharding import SingleDeviceSharding
 from . import _collective_common as common
 from . import _compat
 from ._collective_common import AXIS, Copy, LeafBlocks
-from ._local_executor import in_compute_memory
+from ._local_executor import bits_dtype, from_bits, in_compute_memory, to_bits
 
 if TYPE_CHECKING:
     from ._collective_executor import CollectiveProgram
@@ -136,14 +136,14 @@ def device_rounds(
 
 
 def _wire_dtype(dtype: np.dtype) -> np.dtype:
-    """What pieces of ``dtype`` travel as: floats as unsigned integers of their width.
+    """What pieces of ``dtype`` travel as: floats as unsigned integers of their width
+    (``bits_dtype``), as the whole program holds them.
 
-    Bits are bits to a copy; gloo moves ``bfloat16`` far slower than integers (seen on
-    jax 0.10, CPU), and floats of one width then share a buffer.
+    Bits are bits to a copy, while a program moving floats may change NaNs; gloo also
+    moves ``bfloat16`` far slower than integers (seen on jax 0.10, CPU), and floats of
+    one width then share a buffer.
     """
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in (2, 4, 8):
-        return np.dtype({2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize])
-    return dtype
+    return bits_dtype(dtype)
 
 
 def _cut(x: jax.Array, slot: _Slot, block: tuple[int, ...], me: jax.Array) -> jax.Array:
@@ -177,6 +177,8 @@ def body(
 ) -> tuple[jax.Array, ...]:
     """What every device runs: all rounds, then its output blocks."""
     me = lax.axis_index(AXIS)
+    dtypes = [x.dtype for x in inputs]
+    inputs = [to_bits(x) for x in inputs]  # cut, moved and placed as bits
     outs: list[jax.Array | None] = [None] * len(blocks)
     for rd in rounds:
         for wire, slots in rd.groups:
@@ -202,8 +204,8 @@ def body(
             for s, piece in zip(slots, pieces, strict=True):
                 outs[s.leaf] = _put(outs[s.leaf], piece, s, blocks[s.leaf].dst_block, me)
     return tuple(
-        o if o is not None else jnp.zeros(b.dst_block, x.dtype)  # every shard reused
-        for o, b, x in zip(outs, blocks, inputs, strict=True)
+        from_bits(o if o is not None else jnp.zeros(b.dst_block, x.dtype), dt)
+        for o, b, x, dt in zip(outs, blocks, inputs, dtypes, strict=True)
     )
 
 

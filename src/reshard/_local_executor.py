@@ -205,6 +205,35 @@ def in_compute_memory(a: jax.Array, device: Any) -> jax.Array:
     return jax.device_put(a, jax.sharding.SingleDeviceSharding(device, memory_kind=default))
 
 
+def bits_dtype(dtype: Any) -> np.dtype:
+    """The element type compiled copies carry ``dtype`` in: a floating type as the
+    unsigned integer of its width, anything else as itself.
+
+    Copies move bits, but a compiled program moving floats may change NaNs: on jax
+    0.10's CPU backend a ``concatenate`` of ``bfloat16`` (or ``float8_e5m2``) turns
+    every NaN into the canonical one (``0x7fc0``), payload and sign lost, as assembling
+    a shard from pieces does. Integers are moved bit for bit.
+    """
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        width = jnp.finfo(dtype).bits
+        unsigned = {4: jnp.uint4, 8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+        if width in unsigned:
+            return np.dtype(unsigned[width])
+    return dtype
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+    """Inside a compiled program: ``x`` as its ``bits_dtype`` (a bitcast, free)."""
+    bits = bits_dtype(x.dtype)
+    return x if bits == x.dtype else jax.lax.bitcast_convert_type(x, bits)
+
+
+def from_bits(x: jax.Array, dtype: Any) -> jax.Array:
+    """Inside a compiled program: the inverse of ``to_bits``."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 # ----------------------------------------------------------------------------------
 # Device path
 # ----------------------------------------------------------------------------------
@@ -263,8 +292,9 @@ class DeviceProgram:
             sends = [s for s in self.sends[device] if s.slices is not None]
 
             def cut(*shards: jax.Array) -> tuple[jax.Array, ...]:
+                # Pieces leave as bits (``to_bits``); ``build`` takes them so.
                 return tuple(
-                    x[tuple(slice(a, b) for a, b in s.slices)]  # type: ignore[union-attr]
+                    to_bits(x)[tuple(slice(a, b) for a, b in s.slices)]  # type: ignore[union-attr]
                     for x, s in zip(shards, sends, strict=True)
                 )
 
@@ -284,14 +314,16 @@ class DeviceProgram:
                 for li, di, inputs in plan:
                     spec = jobs[li].plan.spec
                     shape = box_shape(spec.dst[di].box)
-                    out = jnp.zeros(shape, jobs[li].dtype)
+                    # Assembled as bits: see ``bits_dtype``.
+                    dtype = jobs[li].dtype
+                    out = jnp.zeros(shape, bits_dtype(dtype))
                     for kind, ref, sl in inputs:
                         if kind == "recv":
-                            out = out.at[sl].set(recv[ref])
+                            out = out.at[sl].set(to_bits(recv[ref]))
                         else:
                             n = len(shape)
-                            out = out.at[sl[n:]].set(local[(li, ref)][sl[:n]])
-                    outs.append(out)
+                            out = out.at[sl[n:]].set(to_bits(local[(li, ref)])[sl[:n]])
+                    outs.append(from_bits(out, dtype))
                 return outs
 
             fn = self._build_fns[device] = jax.jit(build)
