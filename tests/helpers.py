@@ -17,6 +17,7 @@ DTYPES = [
     "bfloat16",
     "float16",
     "float8_e5m2",
+    "float4_e2m1fn",
     "int8",
     "int32",
     "uint8",
@@ -94,6 +95,8 @@ def random_values(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) 
         return rng.integers(0, 2, shape).astype(bool)
     if dtype == "int4":
         return rng.integers(-8, 8, shape).astype(ml_dtypes.int4)
+    if dtype == "float4_e2m1fn":  # every code, one per byte (the upper half unused)
+        return rng.integers(0, 16, shape).astype(np.uint8).view(ml_dtypes.float4_e2m1fn)
     dt = np.dtype(jnp.dtype(dtype))
     raw = rng.integers(0, 256, math.prod(shape) * dt.itemsize, dtype=np.uint8)
     return raw.view(dt).reshape(shape)

@@ -210,9 +210,13 @@ def body(
 
 
 def carrier(dtype: np.dtype) -> np.dtype:
-    """The element type a device-packed program holds ``dtype`` in (int4 -> int8)."""
+    """The element type a device-packed program holds ``dtype`` in: sub-byte types
+    widened to a byte, with every value kept (int4 -> int8; float4_e2m1fn ->
+    float8_e4m3fn, which holds each of its 16 codes exactly, both zeros included)."""
     if jnp.issubdtype(dtype, jnp.integer) and jnp.iinfo(dtype).bits < 8:
         return np.dtype(np.int8 if jnp.issubdtype(dtype, jnp.signedinteger) else np.uint8)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 8:
+        return np.dtype(jnp.float8_e4m3fn)
     return dtype
 
 

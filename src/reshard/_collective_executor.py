@@ -186,7 +186,7 @@ class CollectiveProgram:
             if jax.process_count() > 1 and self.host.stages:
                 self.status_stage = len(self.host.stages) - 1
         else:
-            # Sub-byte integers (int4) travel widened to 8 bits: XLA packs them two per
+            # Sub-byte types (int4, float4) travel widened to 8 bits: XLA packs them two per
             # byte inside programs but not in buffers made from host data, and an
             # executable refuses arguments whose layout differs from its own.
             self.in_dtypes = [device_packed.carrier(dt) for dt in self.dtypes]
