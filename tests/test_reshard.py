@@ -97,6 +97,24 @@ def test_random_device_executor(case, donate, seed):
     run_case(src, dst, shape, dtype, executor="device", donate=donate, cache=True, seed=seed)
 
 
+@settings(max_examples=25)
+@given(case=cases(), donate=st.booleans(), seed=st.integers(0, 2**16))
+@pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])
+def test_random_collective_executor(pack_on_host, case, donate, seed):
+    # The multi-controller executor in one process: both packings, random bits.
+    from reshard import _collective_executor
+
+    saved = _collective_executor.PACK_ON_HOST
+    _collective_executor.PACK_ON_HOST = pack_on_host
+    try:
+        src, dst, shape, dtype = case
+        run_case(
+            src, dst, shape, dtype, executor="collective", donate=donate, cache=True, seed=seed
+        )
+    finally:
+        _collective_executor.PACK_ON_HOST = saved
+
+
 @pytest.mark.parametrize("executor", ["host", "device"])
 @pytest.mark.parametrize(
     "name,src_ids,src_spec,dst_ids,dst_spec",
