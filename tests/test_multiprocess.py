@@ -15,10 +15,12 @@ device-packed (the accelerator path, forced here on CPU).
 from __future__ import annotations
 
 import math
+import os
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -35,11 +37,16 @@ MISMATCHES: list[str] = []  # failed checks of the running scenario (in a child)
 def _ground_truth(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
     """The same array on every process (derived from the seed, not from a process id)."""
     rng = np.random.default_rng(seed)
-    if np.dtype(dtype) == np.bool_:
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
         return rng.integers(0, 2, shape).astype(bool)
-    if np.issubdtype(np.dtype(dtype), np.complexfloating):
-        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-    return rng.integers(-8, 8, shape).astype(dtype)
+    if dt == np.dtype(ml_dtypes.int4):
+        return rng.integers(-8, 8, shape).astype(dt)
+    if dt == np.dtype(ml_dtypes.float4_e2m1fn):  # every code, one per byte
+        return rng.integers(0, 16, shape).astype(np.uint8).view(dt)
+    # Random bits: floats include NaNs with payloads, infinities and subnormals.
+    raw = rng.integers(0, 256, math.prod(shape) * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)
 
 
 def _random_layout(
@@ -442,9 +449,18 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         # Seeded, so that every process draws the same cases: random device subsets
         # of every process, meshes, specs, shapes, element types and memory kinds.
         rng = np.random.default_rng(2026)
-        dtypes = [np.float32, jnp.bfloat16, np.int8, np.bool_, jnp.int4, np.complex64]
+        dtypes = [
+            np.float32,
+            jnp.bfloat16,
+            jnp.float8_e5m2,
+            jnp.float4_e2m1fn,
+            np.int8,
+            np.bool_,
+            jnp.int4,
+            np.complex64,
+        ]
         kinds = [None, "device", "pinned_host"]
-        for case in range(16):
+        for case in range(int(os.environ.get("RESHARD_TEST_RANDOM_CASES", "16"))):
             ndim = int(rng.choice([0, 1, 2, 2, 3, 3]))
             layouts = [_random_layout(rng, n, ndim) for _ in range(2)]
             shape = tuple(
