@@ -34,6 +34,20 @@ MISMATCHES: list[str] = []  # failed checks of the running scenario (in a child)
 # --- runs inside every launched process ------------------------------------------
 
 
+class _FailAfter:
+    """Stands in for ``block_inputs``: the first ``calls`` calls pass through, then
+    every call fails as if out of device memory."""
+
+    def __init__(self, fn: Callable[..., Any], calls: int) -> None:
+        self.fn, self.left = fn, calls
+
+    def __call__(self, *args: Any) -> Any:
+        if self.left <= 0:
+            raise MemoryError("injected: out of device memory for the inputs")
+        self.left -= 1
+        return self.fn(*args)
+
+
 def _ground_truth(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
     """The same array on every process (derived from the seed, not from a process id)."""
     rng = np.random.default_rng(seed)
@@ -417,21 +431,24 @@ def _scenarios() -> dict[str, Callable[[], None]]:
 
     def a_process_failing_before_the_program_fails_every_process() -> None:
         # Device-packed. One process fails while building its inputs (out of device
-        # memory for the placeholders, say). It tells the others before anyone calls
-        # the program: every process raises (no hang, no partial results), the inputs
-        # stay intact, and all stay in step (the next reshard works).
+        # memory for the placeholders, say), for the first group of arrays or a later
+        # one. It tells the others before anyone calls that group's program: every
+        # process raises (no hang, no partial results), the inputs stay intact, and
+        # all stay in step (the next reshard works).
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
-        x = make(a, src)
+        tree = {"a": a, "b": a[::-1].copy()}
+        x = {k: make(v, src) for k, v in tree.items()}
         build = _collective_device.block_inputs
-        for victim in (0, jax.process_count() - 1):  # a sender, then a receiver
-
-            def failing_build(*args: Any) -> Any:
-                raise MemoryError("injected: out of device memory for the inputs")
-
+        saved = _collective_device.GROUP_BYTES
+        # A sender, then a receiver; with one group, then failing in the second.
+        for victim, group_bytes, fail_at in ((0, saved, 0), (jax.process_count() - 1, 1, 1)):
+            failing_build = _FailAfter(build, fail_at)
+            _collective_device.GROUP_BYTES = group_bytes
             if me == victim:
                 _collective_device.block_inputs = failing_build
             try:
-                reshard.plan(x, dst, cache=False).execute(x, donate=True)
+                p = reshard.plan(x, {"a": dst, "b": dst}, cache=False)
+                p.execute(x, donate=True)
                 raise AssertionError(f"process {victim} failed, but nothing raised")
             except MemoryError as e:
                 assert me == victim and "injected" in str(e), e
@@ -441,9 +458,41 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 assert f"reshard failed on process(es) [{victim}] while preparing" in str(e), e
             finally:
                 _collective_device.block_inputs = build
-            assert not x.is_deleted()
-            check(x, a, src)
-            check(reshard.reshard(x, dst), a, dst)
+                _collective_device.GROUP_BYTES = saved
+            (program,) = [
+                v
+                for v in p._cache.values()
+                if isinstance(v, _collective_executor.CollectiveProgram)
+            ]
+            assert len(program.groups) == fail_at + 1, program.groups
+            for k, v in tree.items():
+                assert not x[k].is_deleted()
+                check(x[k], v, src)
+                check(reshard.reshard(x[k], dst), v, dst)
+
+    def device_packed_in_groups() -> None:
+        # Device-packed, placeholders bounded: every array its own group (program).
+        src = ns(devs[:half], ("f",), P("f"))
+        dst = ns(devs[half:].reshape(2, -1), ("d", "m"), P("m", "d"))
+        tree = {
+            f"w{i}": _ground_truth((48, 32), dt, 10 + i)
+            for i, dt in enumerate([np.float32, jnp.bfloat16, np.int8, jnp.int4, np.bool_])
+        }
+        x = {k: make(v, src) for k, v in tree.items()}
+        saved = _collective_device.GROUP_BYTES
+        _collective_device.GROUP_BYTES = 1
+        try:
+            p = reshard.plan(x, dict.fromkeys(tree, dst), cache=False)
+            y = p.execute(x)
+        finally:
+            _collective_device.GROUP_BYTES = saved
+        (program,) = [
+            v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
+        ]
+        assert program.groups == [[k] for k in range(len(tree))], program.groups
+        for k, v in tree.items():
+            check(y[k], v, dst)
+            check(x[k], v, src)
 
     def random_cases() -> None:
         # Seeded, so that every process draws the same cases: random device subsets
@@ -478,7 +527,10 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         a_process_failing_mid_reshard_fails_every_process,
         a_process_failing_after_the_transfer_fails_alone,
     )
-    device_only = (a_process_failing_before_the_program_fails_every_process,)
+    device_only = (
+        a_process_failing_before_the_program_fails_every_process,
+        device_packed_in_groups,
+    )
     return {
         f.__name__: f
         for f in (
@@ -670,7 +722,10 @@ HOST_SCENARIOS = [
     "a_process_failing_after_the_transfer_fails_alone",
 ]
 # Failures before the device-packed program: the status exchanged before calling it.
-DEVICE_SCENARIOS = ["a_process_failing_before_the_program_fails_every_process"]
+DEVICE_SCENARIOS = [
+    "a_process_failing_before_the_program_fails_every_process",
+    "device_packed_in_groups",
+]
 
 
 @pytest.mark.timeout(180)

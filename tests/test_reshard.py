@@ -171,6 +171,36 @@ def test_special_values_move_bit_for_bit(monkeypatch, executor, pack_on_host, dt
         check_result(y, truth, dst)
 
 
+def test_device_packed_runs_in_groups_that_bound_placeholders(monkeypatch):
+    from reshard import _collective_device, _collective_executor
+
+    groups = _collective_device.leaf_groups
+    assert groups([3, 3, 0, 5, 1], 6) == [[0, 1, 2], [3, 4]]
+    assert groups([7, 1, 9], 6) == [[0], [1], [2]]  # an array over the bound alone
+    assert groups([], 6) == []
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", False)
+    rng = np.random.default_rng(7)
+    truth = {f"w{i}": random_values(rng, (48, 32), "bfloat16") for i in range(4)}
+    src = NamedSharding(mesh1([0, 1, 2, 3]), P("a"))
+    block_bytes = 12 * 32 * 2  # each array's source block (placeholder) per device
+    for dst, want in (
+        # Other devices: placeholders for every array, two per group.
+        (NamedSharding(mesh1([4, 5, 6, 7]), P(None, "a")), [[0, 1], [2, 3]]),
+        # The same devices: every device holds a source block, no placeholders.
+        (NamedSharding(mesh1([0, 1, 2, 3]), P(None, "a")), [[0, 1, 2, 3]]),
+    ):
+        monkeypatch.setattr(_collective_device, "GROUP_BYTES", 2 * block_bytes)
+        x = {k: place(v, src) for k, v in truth.items()}
+        p = reshard.plan(x, dict.fromkeys(truth, dst), executor="collective", cache=False)
+        y = p.execute(x)
+        (program,) = [
+            v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
+        ]
+        assert program.groups == want
+        for k, v in truth.items():
+            check_result(y[k], v, dst)
+
+
 def test_identity_moves_nothing_and_aliases():
     s = NamedSharding(mesh1([0, 1, 2, 3]), P("a"))
     x = place(np.arange(32.0), s)

@@ -35,6 +35,14 @@ if TYPE_CHECKING:
     from ._collective_executor import CollectiveProgram
 
 
+# Per device, the most bytes of placeholders one program takes: the arrays run in
+# groups (one program each) whose source blocks, where a device of the union holds no
+# source shard of an array, add up to at most this (an array over it alone). Without
+# groups, a device of a disjoint trainer -> sampler sync would hold zeros as large as
+# a trainer device's whole share of the tree while the program runs.
+GROUP_BYTES = 1 << 30
+
+
 @dataclass(frozen=True)
 class _Slot:
     """One piece-shaped place in a round: every position moves at most one piece in it.
@@ -220,12 +228,29 @@ def carrier(dtype: np.dtype) -> np.dtype:
     return dtype
 
 
-def block_inputs(program: CollectiveProgram, sources: Sequence[jax.Array]) -> list[jax.Array]:
-    """Per array, the block array on the union mesh, from this process's source shards."""
-    per_leaf: list[dict[int, jax.Array]] = []
+def leaf_groups(weights: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive arrays in groups whose ``weights`` add up to at most ``limit`` (an
+    array heavier than that alone); one program runs each group."""
+    groups: list[list[int]] = []
+    used = 0
+    for li, w in enumerate(weights):
+        if not groups or (groups[-1] and used + w > limit):
+            groups.append([])
+            used = 0
+        groups[-1].append(li)
+        used += w
+    return groups
+
+
+def block_inputs(
+    program: CollectiveProgram, sources: Sequence[jax.Array], leaves: Sequence[int]
+) -> list[jax.Array]:
+    """Per array of ``leaves``, the block array on the union mesh, from this process's
+    source shards (zero placeholders where a device holds none)."""
+    per_leaf: dict[int, dict[int, jax.Array]] = {}
     missing: dict[int, list[int]] = defaultdict(list)  # device id -> leaves lacking a block
-    for li, src in enumerate(sources):
-        bufs = _compat.device_buffers(src)
+    for li in leaves:
+        bufs = _compat.device_buffers(sources[li])
         blocks: dict[int, jax.Array] = {}
         for d in program.local_devices:
             b = bufs.get(d.id)
@@ -238,7 +263,7 @@ def block_inputs(program: CollectiveProgram, sources: Sequence[jax.Array]) -> li
             if b.dtype != program.in_dtypes[li]:
                 b = b.astype(program.in_dtypes[li])
             blocks[d.id] = b
-        per_leaf.append(blocks)
+        per_leaf[li] = blocks
     for d in program.local_devices:
         if missing[d.id]:
             for li, ph in zip(missing[d.id], program.placeholders(d, missing[d.id]), strict=True):
@@ -250,7 +275,7 @@ def block_inputs(program: CollectiveProgram, sources: Sequence[jax.Array]) -> li
             [blocks[d.id] for d in program.local_devices],
             dtype=program.in_dtypes[li],
         )
-        for li, blocks in enumerate(per_leaf)
+        for li, blocks in per_leaf.items()
     ]
 
 
@@ -291,43 +316,55 @@ def run_device_packed(
     *,
     wait: bool = False,
 ) -> list[jax.Array]:
-    """Runs a device-packed program and builds this process's destination arrays;
-    with ``wait``, returns only once the program (its collectives) has finished here,
-    even where this process keeps none of its outputs.
+    """Runs a device-packed program per group of arrays and builds this process's
+    destination arrays; with ``wait``, returns only once the programs (their
+    collectives) have finished here, even where this process keeps none of their
+    outputs.
+
+    A group's placeholders live only while its program runs, and the next group's
+    are made once it has finished, which bounds the extra device memory a reshard
+    takes (``GROUP_BYTES``) at the price of a wait between groups.
 
     Across processes, a failure while building this process's inputs (out of memory
     for the placeholders, or staging host-memory shards) must not leave the peers
-    waiting in the program's collectives: before calling it, every process of the
+    waiting in a program's collectives: before calling it, every process of the
     union mesh learns whether any other failed (``exchange_status``), and if one did,
     none calls it and every one raises, all still in step. That costs one small
-    all-reduce, and waiting for the inputs to be ready (an error in making them
-    surfaces only then), so such a reshard returns once its inputs exist.
+    all-reduce per group, and waiting for the inputs to be ready (an error in making
+    them surfaces only then), so such a reshard returns once its inputs exist.
     """
-    if not program.local_devices:
-        # This process holds no device of the union: nothing to send, nothing to keep.
-        outputs: Sequence[jax.Array | None] = [None] * len(sources)
-    else:
+    outputs: list[jax.Array | None] = [None] * len(sources)
+    moved: Sequence[jax.Array] = ()
+    # A process that holds no device of the union has nothing to send or keep.
+    for gi, group in enumerate(program.groups if program.local_devices else []):
+        # The previous group's placeholders are freed only once its program is done:
+        # wait for that before making more, or every group's would be alive at once.
+        jax.block_until_ready(moved)
         if jax.process_count() == 1:
-            inputs = block_inputs(program, sources)
+            inputs = block_inputs(program, sources, group)
         else:
             failure: Exception | None = None
             try:
-                inputs = jax.block_until_ready(block_inputs(program, sources))
+                inputs = jax.block_until_ready(block_inputs(program, sources, group))
             except Exception as e:
                 failure = e
             failed = program.exchange_status(failure is not None)
             if failure is not None:
                 failure.add_note(
                     "reshard: this process failed while preparing its part of a "
-                    "collective reshard. It told the other processes before any data "
-                    "moved, and every one of them raises too; the inputs are intact."
+                    "collective reshard. It told the other processes before the data "
+                    "it was preparing moved, and every one of them raises too; the "
+                    "inputs are intact."
                 )
                 raise failure
             if failed:
                 raise common.peers_failed(failed, "while preparing their inputs")
-        outputs = program.compiled()(*inputs)
+        moved = program.compiled(gi)(*inputs)
+        del inputs  # the placeholders go once the program is done with them
         if wait:
-            jax.block_until_ready(outputs)
+            jax.block_until_ready(moved)
+        for li, out in zip(group, moved, strict=True):
+            outputs[li] = out
     return [
         assemble(program, li, src, out, sharding)
         for li, (src, out, sharding) in enumerate(zip(sources, outputs, shardings, strict=True))

@@ -28,6 +28,7 @@ every output exists, so a failure leaves the inputs intact.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 import threading
@@ -121,6 +122,8 @@ class CollectiveProgram:
         location are handed over (``may_alias``) instead of copied.
       pack_on_host: host-packed (True) or device-packed (False); ``None`` picks
         host-packed when every device is a CPU.
+      group_bytes: device-packed: the most placeholder bytes per device one program
+        takes (``_collective_device.GROUP_BYTES`` if None).
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class CollectiveProgram:
         *,
         alias: bool,
         pack_on_host: bool | None = None,
+        group_bytes: int | None = None,
     ) -> None:
         ids = sorted(
             {s.device for lp in leaf_plans for s in lp.spec.src}
@@ -152,11 +156,21 @@ class CollectiveProgram:
         self.dtypes = [np.dtype(d) for d in dtypes]
         self.alias = alias
         self.leaves, keep, copies = all_copies(self.leaf_plans, self.position, alias)
+        if group_bytes is None:
+            group_bytes = device_packed.GROUP_BYTES
         # What every process must agree on for the programs to match: devices, blocks,
         # pieces and element types (``agree``; one process has nobody to agree with).
         self.fingerprint = b""
         if jax.process_count() > 1:
-            what = (ids, self.leaves, copies, [str(d) for d in self.dtypes], alias, pack_on_host)
+            what = (
+                ids,
+                self.leaves,
+                copies,
+                [str(d) for d in self.dtypes],
+                alias,
+                pack_on_host,
+                group_bytes,
+            )
             self.fingerprint = hashlib.sha256(repr(what).encode()).digest()[:16]
         # Destination position -> source position whose buffer is handed over as it is.
         self.reused: list[dict[int, int]] = [
@@ -190,8 +204,27 @@ class CollectiveProgram:
             # byte inside programs but not in buffers made from host data, and an
             # executable refuses arguments whose layout differs from its own.
             self.in_dtypes = [device_packed.carrier(dt) for dt in self.dtypes]
-            self.rounds = device_packed.device_rounds(copies, keep, self.in_dtypes, n)
             self.in_shapes = [(n * lf.src_block[0], *lf.src_block[1:]) for lf in self.leaves]
+            # Arrays in groups, one program each, so that placeholders (a zero source
+            # block where a device of the union holds no source shard) stay bounded.
+            placeholder_bytes = [
+                math.prod(lf.src_block) * dt.itemsize
+                if len({s.device for s in lp.spec.src}) < n
+                else 0
+                for lf, dt, lp in zip(self.leaves, self.in_dtypes, self.leaf_plans, strict=True)
+            ]
+            self.groups = device_packed.leaf_groups(placeholder_bytes, group_bytes)
+            self.rounds = []  # per group
+            for group in self.groups:
+                local = {li: k for k, li in enumerate(group)}
+                self.rounds.append(
+                    device_packed.device_rounds(
+                        [(local[c[0]], *c[1:]) for c in copies if c[0] in local],
+                        [keep[li] for li in group],
+                        [self.in_dtypes[li] for li in group],
+                        n,
+                    )
+                )
         self._compiled: dict[int, Any] = {}
         self._status_fn: Any = None
         self._placeholder_fns: dict[tuple[int, tuple[int, ...]], Any] = {}
@@ -201,10 +234,11 @@ class CollectiveProgram:
         """Number of ``ppermute``s in the program(s)."""
         if self.host_packed:
             return len(self.host.chunks)
-        return sum(len(rd.groups) for rd in self.rounds if rd.perm)
+        return sum(len(rd.groups) for rounds in self.rounds for rd in rounds if rd.perm)
 
     def compiled(self, stage: int = 0) -> Any:
-        """The compiled program (of one stage, host-packed), built once, then reused."""
+        """The compiled program of one stage (host-packed) or group of arrays
+        (device-packed), built once, then reused."""
         fn = self._compiled.get(stage)
         if fn is not None:
             return fn
@@ -233,8 +267,11 @@ class CollectiveProgram:
 
             out_count = len(shapes)
         else:
-            blocks, rounds = self.leaves, self.rounds
-            shapes, dtypes = self.in_shapes, self.in_dtypes
+            group = self.groups[stage]
+            blocks = [self.leaves[li] for li in group]
+            rounds = self.rounds[stage]
+            shapes = [self.in_shapes[li] for li in group]
+            dtypes = [self.in_dtypes[li] for li in group]
 
             def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
                 return device_packed.body(blocks, rounds, inputs)
@@ -350,7 +387,10 @@ def run_collective(
     """
     del donate  # never delete here: a failure must leave every input intact
     alias = may_alias is not False
-    key = f"collective_program(alias={alias}, pack_on_host={PACK_ON_HOST})"
+    group_bytes = device_packed.GROUP_BYTES
+    key = (
+        f"collective_program(alias={alias}, pack_on_host={PACK_ON_HOST}, group_bytes={group_bytes})"
+    )
     program: CollectiveProgram | None = plan._cache.get(key)
     limit = collective_timeout_s() if jax.process_count() > 1 else 0.0
     with watchdog(limit):
@@ -360,6 +400,7 @@ def run_collective(
                 [s.dtype for s in sources],
                 alias=alias,
                 pack_on_host=PACK_ON_HOST,
+                group_bytes=group_bytes,
             )
             agree(program, shardings)  # before caching: a mismatch raises again next call
             plan._cache[key] = program
