@@ -127,11 +127,14 @@ def device_rounds(
             remote[(c[1], c[2])].append(c)
 
     def grouped(cs: Sequence[Copy]) -> tuple[tuple[np.dtype, tuple[_Slot, ...]], ...]:
+        # Grouped by the type the program holds them in (``bits_dtype``): floats of one
+        # width share a buffer with the unsigned integers of that width. Gloo also moves
+        # ``bfloat16`` far slower than integers (seen on jax 0.10, CPU).
         by_type: dict[str, list[_Slot]] = defaultdict(list)
         for slot in _slots(cs, keep, n):
-            by_type[str(_wire_dtype(dtypes[slot.leaf]))].append(slot)
+            by_type[str(bits_dtype(dtypes[slot.leaf]))].append(slot)
         return tuple(
-            (_wire_dtype(dtypes[ss[0].leaf]), tuple(ss)) for _, ss in sorted(by_type.items())
+            (bits_dtype(dtypes[ss[0].leaf]), tuple(ss)) for _, ss in sorted(by_type.items())
         )
 
     rounds = [
@@ -141,17 +144,6 @@ def device_rounds(
     if local:
         rounds.append(_Round((), grouped(local)))
     return rounds
-
-
-def _wire_dtype(dtype: np.dtype) -> np.dtype:
-    """What pieces of ``dtype`` travel as: floats as unsigned integers of their width
-    (``bits_dtype``), as the whole program holds them.
-
-    Bits are bits to a copy, while a program moving floats may change NaNs; gloo also
-    moves ``bfloat16`` far slower than integers (seen on jax 0.10, CPU), and floats of
-    one width then share a buffer.
-    """
-    return bits_dtype(dtype)
 
 
 def _cut(x: jax.Array, slot: _Slot, block: tuple[int, ...], me: jax.Array) -> jax.Array:
@@ -189,10 +181,9 @@ def body(
     inputs = [to_bits(x) for x in inputs]  # cut, moved and placed as bits
     outs: list[jax.Array | None] = [None] * len(blocks)
     for rd in rounds:
-        for wire, slots in rd.groups:
+        # Every piece of a group has the group's type already: the inputs are bits.
+        for _, slots in rd.groups:
             pieces = [_cut(inputs[s.leaf], s, blocks[s.leaf].src_block, me) for s in slots]
-            if rd.perm:
-                pieces = [lax.bitcast_convert_type(p, wire) for p in pieces]
             if rd.perm and len(pieces) == 1:
                 pieces = [lax.ppermute(pieces[0], AXIS, list(rd.perm))]
             elif rd.perm:
@@ -203,11 +194,6 @@ def body(
                 pieces = [
                     part.reshape(s.shape)
                     for part, s in zip(jnp.split(flat, bounds), slots, strict=True)
-                ]
-            if rd.perm:
-                pieces = [
-                    lax.bitcast_convert_type(p, inputs[s.leaf].dtype)
-                    for p, s in zip(pieces, slots, strict=True)
                 ]
             for s, piece in zip(slots, pieces, strict=True):
                 outs[s.leaf] = _put(outs[s.leaf], piece, s, blocks[s.leaf].dst_block, me)
