@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -556,8 +556,9 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     }
 
 
-def _run_scenarios(pack_on_host: bool) -> dict[str, str]:
-    """Runs every scenario in this process; returns name -> "ok" or the traceback."""
+def _run_scenarios(pack_on_host: bool, only: Sequence[str] | None = None) -> dict[str, str]:
+    """Runs every scenario (or those named in ``only``) in this process; returns name ->
+    "ok" or the traceback."""
     import jax
 
     from reshard import _collective_executor
@@ -566,6 +567,8 @@ def _run_scenarios(pack_on_host: bool) -> dict[str, str]:
     assert jax.process_count() > 1
     report = {}
     for name, fn in _scenarios().items():
+        if only is not None and name not in only:
+            continue
         MISMATCHES.clear()
         try:
             fn()
@@ -748,6 +751,27 @@ def test_every_scenario_on_every_process(procs: int, devices: int, pack: str) ->
             f"process {r.process_id}, {name}:\n{tb}" for name, tb in r.value.items() if tb != "ok"
         ]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pack", ["host", "device"])
+@pytest.mark.parametrize("procs,devices", [(3, 2), (2, 3)], ids=["3x2", "2x3"])
+def test_random_cases_with_odd_counts_of_processes_and_devices(
+    procs: int, devices: int, pack: str
+) -> None:
+    # The named scenarios cut arrays in halves of 8 devices; the random cases draw
+    # meshes over whatever devices there are: 3 processes (a status summed over an odd
+    # count, sources preferred in a process of three), or 3 devices per process.
+    results = launch_local(
+        f"{HERE}:_run_scenarios",
+        num_processes=procs,
+        devices_per_process=devices,
+        args=[pack == "host", ["random_cases"]],
+        timeout_s=90,
+    )
+    assert len(results) == procs
+    for r in results:
+        assert r.value == {"random_cases": "ok"}, f"process {r.process_id}: {r.value}"
 
 
 # --- in this process: the schedule, and the executor with one controller ----------
