@@ -13,7 +13,11 @@ process 1, on the same union mesh, from buffers that already exist (nothing to
 pack). Over gloo a few large buffers move slower than many smaller ones at once, so
 the floor is timed with the bytes cut into 1 to 64 buffers per pair and the fastest
 is taken. A second reshard row moves the same tree to the same fsdp layout on process
-1 (weight sync between equal layouts), where every shard travels whole. Times are
+1 (weight sync between equal layouts), where every shard travels whole. Under each
+reshard row, "its own chunks" moves that reshard's own chunks (the same ``ppermute``
+programs, stages and buffer sizes) from buffers that already exist: the reshard
+without its host work, which splits its distance from the floor into the shape of
+its transfers and the packing, cutting and array making around them. Times are
 medians of several runs in one launch, every method timed once per round in turn, each
 reshard on new array objects over the same buffers (``fresh_arrays``: as after a
 training step, nothing cached on the arrays by an earlier call is reused); the ratio
@@ -221,11 +225,15 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
     assert reshard.plan(tree, same).stats.bytes_moved == moved
     _verify(reshard.reshard(tree, same), full)
     fns["same"] = (lambda t: reshard.reshard(t, same, cache_resharding_plans=True), tree)
+    program = _program(p)
+    for name, q in (("own", p), ("same own", reshard.plan(tree, same, executor="collective"))):
+        jax.block_until_ready(q.execute(tree))  # builds its program
+        fns[name] = (_own_chunks(_program(q)), None)
     times = _time(fns, reps)
     reshard_t = times.pop("reshard")
     same_t = times.pop("same")
+    own = {"relayout": times.pop("own"), "same": times.pop("same own")}
     floors = times
-    program = next(v for v in p._cache.values() if hasattr(v, "collectives"))
     return {
         "bytes_moved": moved,
         "array_bytes": p.stats.array_bytes,
@@ -234,7 +242,47 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
         "floor_s": floors,
         "reshard_s": reshard_t,
         "same_s": same_t,
+        "own_s": own,
     }
+
+
+def _program(plan: Any) -> Any:
+    """The collective program that ``plan`` has built and cached."""
+    return next(v for v in plan._cache.values() if hasattr(v, "collectives"))
+
+
+def _own_chunks(program: Any) -> Any:
+    """A function that moves a host-packed program's own chunks, stage by stage, with
+    the same ``ppermute``s and buffer sizes, from buffers that already exist: the
+    reshard's transfers without its host work (packing, unpacking, making arrays)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from reshard._collective_common import AXIS
+
+    n = len(program.devices)
+    calls = []
+    for stage in program.host.stages:
+        chunks = [program.host.chunks[ci] for ci in stage]
+        bufs = [
+            jax.make_array_from_callback(
+                (n * ch.nbytes,),
+                program.block_sharding,
+                functools.partial(_ones, ch.nbytes),
+                dtype=np.uint8,
+            )
+            for ch in chunks
+        ]
+        perms = [ch.perm for ch in chunks]
+
+        def body(*xs: Any, perms: Any = perms) -> Any:
+            return tuple(
+                jax.lax.ppermute(x, AXIS, list(perm)) for x, perm in zip(xs, perms, strict=True)
+            )
+
+        fn = jax.jit(jax.shard_map(body, mesh=program.mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+        calls.append(functools.partial(fn, *bufs))
+    return lambda: [call() for call in calls]
 
 
 def _table(v: list[dict[str, Any]], reps: int, launch: int, launches: int) -> tuple[float, float]:
@@ -261,7 +309,9 @@ def _table(v: list[dict[str, Any]], reps: int, launch: int, launches: int) -> tu
     print(f"{'method':<34}{'median ms':>10}{'MiB/s':>8}{'vs floor':>10}")
     rows = [(f"ppermute, {c} chunk(s) per pair", t) for c, t in floors.items()]
     rows.append(("reshard (collective executor)", ours))
+    rows.append(("  its own chunks, nothing else", median_of_max("own_s", "relayout")))
     rows.append(("reshard, same layout (fsdp->fsdp)", same))
+    rows.append(("  its own chunks, nothing else", median_of_max("own_s", "same")))
     for name, t in rows:
         print(f"{name:<34}{t * 1e3:>10.1f}{mb / t:>8.0f}{t / floor:>10.2f}")
     print(f"floor = fastest ppermute row; target: reshard within 1.5x (got {ours / floor:.2f}x)")

@@ -23,3 +23,36 @@ def test_multiprocess_example_runs():
     lines = [line for line in res.stdout.splitlines() if line.startswith("process ")]
     assert lines[0] == "process 0: shard sums []"  # process 0 holds no destination shard
     assert lines[1].startswith("process 1: shard sums [") and lines[1].count(",") == 3
+
+
+def test_multiprocess_benchmark_prints_its_table():
+    # The benchmark is run by hand for the numbers; here it runs once, briefly (one
+    # rep of the 40 MiB tree), so that it cannot rot unnoticed. It checks the reshards'
+    # values itself before it times them.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_multiprocess.py"),
+            "--reps",
+            "1",
+            "--no-single",
+            "--timeout",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {}
+    for line in res.stdout.splitlines():
+        parts = line.rsplit(None, 3)
+        if len(parts) == 4 and parts[1].replace(".", "").isdigit():
+            rows[parts[0].strip()] = float(parts[3])
+    floors = [v for k, v in rows.items() if k.startswith("ppermute,")]
+    assert len(floors) == 5 and min(floors) == 1.0, res.stdout
+    assert {"reshard (collective executor)", "reshard, same layout (fsdp->fsdp)"} <= set(rows)
+    assert "its own chunks, nothing else" in rows, res.stdout
+    assert "target: reshard within 1.5x" in res.stdout
