@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-FLOOR_CHUNKS = (1, 4, 16, 32, 64)
+FLOOR_CHUNKS = (1, 4, 16, 24, 32, 40, 48, 64)
 
 
 def llm_tree_shapes(full: bool) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -52,7 +52,7 @@ def test_multiprocess_benchmark_prints_its_table():
         if len(parts) == 4 and parts[1].replace(".", "").isdigit():
             rows[parts[0].strip()] = float(parts[3])
     floors = [v for k, v in rows.items() if k.startswith("ppermute,")]
-    assert len(floors) == 5 and min(floors) == 1.0, res.stdout
+    assert len(floors) >= 5 and min(floors) == 1.0, res.stdout
     assert {"reshard (collective executor)", "reshard, same layout (fsdp->fsdp)"} <= set(rows)
     assert "its own chunks, nothing else" in rows, res.stdout
     assert "target: reshard within 1.5x" in res.stdout
