@@ -497,7 +497,9 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     def random_cases() -> None:
         # Seeded, so that every process draws the same cases: random device subsets
         # of every process, meshes, specs, shapes, element types and memory kinds.
-        rng = np.random.default_rng(2026)
+        # RESHARD_TEST_RANDOM_CASES and RESHARD_TEST_RANDOM_SEED draw more or other
+        # cases, for a longer search outside the suite.
+        rng = np.random.default_rng(int(os.environ.get("RESHARD_TEST_RANDOM_SEED", "2026")))
         dtypes = [
             np.float32,
             jnp.bfloat16,
