@@ -18,7 +18,10 @@ reshard row, "its own chunks" moves that reshard's own chunks (the same ``ppermu
 stages and buffer sizes, less the failure-status sum of its last stage) from buffers
 that already exist: the reshard without its host work, which splits its distance
 from the floor into the shape of its transfers and the packing, cutting and array
-making around them. Times are
+making around them. A last line times the fastest floor again, side by side with
+the same floor while the receiving process does the relayout's copies in numpy alone
+(the column blocks of every matrix, at once, on the executor's copy threads): the
+least any relayout that copies each byte once adds on this machine. Times are
 medians of several runs in one launch, every method timed once per round in turn, each
 reshard on new array objects over the same buffers (``fresh_arrays``: as after a
 training step, nothing cached on the arrays by an earlier call is reused); the ratio
@@ -199,6 +202,7 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
     per_device = moved // half  # bytes each of process 0's devices sends
     pairs = [(i, i + half) for i in range(half)]
     fns: dict[str, tuple[Any, Any]] = {}
+    floor_fns: dict[int, Any] = {}
     for chunks in FLOOR_CHUNKS:
         # Separate input buffers, returned as they arrive: nothing but the network.
         n = -(-per_device // chunks)
@@ -219,7 +223,8 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
                 out_specs=P("r"),
             )
         )
-        fns[str(chunks)] = (functools.partial(fn, *bufs), None)
+        floor_fns[chunks] = functools.partial(fn, *bufs)
+        fns[str(chunks)] = (floor_fns[chunks], None)
     fns["reshard"] = (lambda t: reshard.reshard(t, dst, cache_resharding_plans=True), tree)
     # Weight sync between equal layouts moves the same bytes: every shard whole.
     same = _same_layout(tree)
@@ -235,6 +240,20 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
     same_t = times.pop("same")
     own = {"relayout": times.pop("own"), "same": times.pop("same own")}
     floors = times
+    # The least any fsdp -> tp relayout adds to the floor: the receiving process's one
+    # copy per byte (each destination block's column block cut out of every source
+    # shard that arrived), done by numpy alone, at once, while the fastest floor moves
+    # the bytes, timed side by side with that floor.
+    best = _agreed_fastest({c: statistics.median(floors[str(c)]) for c in FLOOR_CHUNKS})
+    cut = _relayout_cut(full) if jax.process_index() == 1 else None
+
+    def floor_and_cut() -> Any:
+        out = floor_fns[best]()
+        if cut is not None:
+            cut()
+        return out
+
+    with_cut = _time({"floor": (floor_fns[best], None), "cut": (floor_and_cut, None)}, reps)
     return {
         "bytes_moved": moved,
         "array_bytes": p.stats.array_bytes,
@@ -244,7 +263,44 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
         "reshard_s": reshard_t,
         "same_s": same_t,
         "own_s": own,
+        "cut_s": with_cut,
+        "cut_chunks": best,
     }
+
+
+def _agreed_fastest(medians: dict[int, float]) -> int:
+    """The floor chunking with the least median, taking each run's slowest process (as
+    the table does); every process gets the same answer."""
+    from jax.experimental import multihost_utils
+
+    keys = sorted(medians)
+    mine = np.array([medians[k] for k in keys])
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(keys))
+    return keys[int(np.argmin(every.max(axis=0)))]
+
+
+def _relayout_cut(full: bool) -> Any:
+    """A function doing, in numpy alone, the copies the receiving process of the fsdp
+    -> tp relayout does: for every matrix, each of its 4 devices' column block out of
+    every row (all 4 source shards arrived), on the executor's copy threads."""
+    from reshard import _local_executor
+
+    jobs = []
+    for shape, dtype in llm_tree_shapes(full).values():
+        if len(shape) != 2:
+            continue  # the norms: 4 KiB each
+        src = np.ones(shape, dtype)
+        width = shape[1] // 4
+        for k in range(4):
+            dst = np.zeros((shape[0], width), dtype)
+            jobs.append((dst, src[:, k * width : (k + 1) * width]))
+
+    def per_device(k: int) -> None:
+        for dst, piece in jobs[k::4]:
+            np.copyto(dst, piece)
+
+    tasks = [(1 << 30, functools.partial(per_device, k)) for k in range(4)]
+    return lambda: _local_executor.run_copies(tasks)
 
 
 def _program(plan: Any) -> Any:
@@ -317,6 +373,11 @@ def _table(v: list[dict[str, Any]], reps: int, launch: int, launches: int) -> tu
     for name, t in rows:
         print(f"{name:<34}{t * 1e3:>10.1f}{mb / t:>8.0f}{t / floor:>10.2f}")
     print(f"floor = fastest ppermute row; target: reshard within 1.5x (got {ours / floor:.2f}x)")
+    cut = median_of_max("cut_s", "cut") / median_of_max("cut_s", "floor")
+    print(
+        f"the least a relayout adds: that floor ({v[0]['cut_chunks']} chunks) with the "
+        f"receiver's cut done by numpy alone at the same time took {cut:.2f}x its time"
+    )
     return ours / floor, same / floor
 
 

@@ -56,3 +56,4 @@ def test_multiprocess_benchmark_prints_its_table():
     assert {"reshard (collective executor)", "reshard, same layout (fsdp->fsdp)"} <= set(rows)
     assert "its own chunks, nothing else" in rows, res.stdout
     assert "target: reshard within 1.5x" in res.stdout
+    assert "the least a relayout adds: that floor" in res.stdout
