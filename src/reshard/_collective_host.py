@@ -54,8 +54,8 @@ memory not in cache runs at ~6 GB/s here, a plain copy at ~14) competes with the
 kernel's loopback copies, and the stages' transfers slow down while it runs. Copying
 row bands through a cached scratch buffer first was 1.7x faster alone and no faster
 in place (docs/multiprocess.md). Measured and not better there (each in
-its own plan, several launches): whole stages of 4, 8 or 16 MiB instead of 32;
-sending 256 KiB shards whole instead of packing them; packing everything on the
+its own plan, several launches): sending 256 KiB shards whole instead of packing
+them; packing everything on the
 sender; and senders assembling each destination block so that the receiver copies
 nothing, which moved the same copying to the sender (branch
 ``experiment/assembled-blocks``).
@@ -111,11 +111,14 @@ WHOLE_BYTES = (2**20, 16 * 2**20)
 # sent whole only move the copy from sender to receiver: 0.95-1.07x over ten launches
 # (two identical plans measured 0.92-1.02x of each other), so WHOLE_BYTES[0] holds.
 WHOLE_ARRIVING_BYTES = 2**19
-# Bytes per device in one stage of whole shards. On the benchmark's fsdp -> tp
-# relayout, 8, 16 and 32 MiB took the same time within noise over three launches
-# (32 MiB fastest in two); the bound caps the zero-filled outputs XLA makes for
-# devices that receive nothing in a ppermute.
-WHOLE_STAGE_BYTES = 32 * 2**20
+# Bytes per device in one stage of whole shards; the bound also caps the zero-filled
+# outputs XLA makes for devices that receive nothing in a ppermute. On the 288 MiB
+# benchmark, each variant's plan built afresh in one launch: 16 MiB took 0.84-1.05x
+# the time of 32 MiB for the fsdp -> tp relayout (median 0.96x, faster in 12 of 13
+# launches; the receiver starts cutting once the first stage has arrived) and
+# 0.85-1.04x for the same-layout sync (median 0.95x, 7 of 9); 8 MiB, 0.85-1.00x and
+# 0.91-1.07x. (An earlier session had measured them the same within noise.)
+WHOLE_STAGE_BYTES = 16 * 2**20
 # Smaller shards that a receiving process needs all of, for several of its devices,
 # are packed whole and cut up on arrival. A/B against packing their pieces (one
 # launch each): the 40 MiB tree's relayout 0.87-1.01x the time over seven launches
