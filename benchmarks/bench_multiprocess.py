@@ -269,8 +269,8 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
 
 
 def _agreed_fastest(medians: dict[int, float]) -> int:
-    """The floor chunking with the least median, taking each run's slowest process (as
-    the table does); every process gets the same answer."""
+    """The floor chunking whose slowest process had the least median; every process
+    gets the same answer."""
     from jax.experimental import multihost_utils
 
     keys = sorted(medians)
