@@ -71,12 +71,12 @@ class _Round:
     Attributes:
       perm: ``(source position, destination position)`` pairs on the union mesh; empty
         for the round of copies that stay on their device.
-      groups: per element type, the slots whose pieces travel packed in one buffer
-        (one ``ppermute`` per group).
+      groups: per element type the program holds (``bits_dtype``), the slots whose
+        pieces travel packed in one buffer (one ``ppermute`` per group).
     """
 
     perm: tuple[tuple[int, int], ...]
-    groups: tuple[tuple[np.dtype, tuple[_Slot, ...]], ...]
+    groups: tuple[tuple[_Slot, ...], ...]
 
 
 def _slots(copies: Sequence[Copy], keep: Sequence[set[int]], n: int) -> list[_Slot]:
@@ -126,16 +126,14 @@ def device_rounds(
         else:
             remote[(c[1], c[2])].append(c)
 
-    def grouped(cs: Sequence[Copy]) -> tuple[tuple[np.dtype, tuple[_Slot, ...]], ...]:
+    def grouped(cs: Sequence[Copy]) -> tuple[tuple[_Slot, ...], ...]:
         # Grouped by the type the program holds them in (``bits_dtype``): floats of one
         # width share a buffer with the unsigned integers of that width. Gloo also moves
         # ``bfloat16`` far slower than integers (seen on jax 0.10, CPU).
         by_type: dict[str, list[_Slot]] = defaultdict(list)
         for slot in _slots(cs, keep, n):
             by_type[str(bits_dtype(dtypes[slot.leaf]))].append(slot)
-        return tuple(
-            (bits_dtype(dtypes[ss[0].leaf]), tuple(ss)) for _, ss in sorted(by_type.items())
-        )
+        return tuple(tuple(ss) for _, ss in sorted(by_type.items()))
 
     rounds = [
         _Round(members, grouped([x for pr in members for x in remote[pr]]))
@@ -182,7 +180,7 @@ def body(
     outs: list[jax.Array | None] = [None] * len(blocks)
     for rd in rounds:
         # Every piece of a group has the group's type already: the inputs are bits.
-        for _, slots in rd.groups:
+        for slots in rd.groups:
             pieces = [_cut(inputs[s.leaf], s, blocks[s.leaf].src_block, me) for s in slots]
             if rd.perm and len(pieces) == 1:
                 pieces = [lax.ppermute(pieces[0], AXIS, list(rd.perm))]
