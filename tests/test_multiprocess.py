@@ -147,6 +147,14 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         except AssertionError:
             MISMATCHES.append(traceback.format_exc())
 
+    def only_program(p: Any) -> Any:
+        """The one collective program that plan ``p`` has built and cached."""
+        programs = [
+            v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
+        ]
+        assert len(programs) == 1, p._cache.keys()
+        return programs[0]
+
     def move(host: np.ndarray, src: Any, dst: Any, **kw: Any) -> None:
         x = make(host, src)
         assert reshard.plan(x, dst).executor == "collective"
@@ -283,13 +291,10 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         x = make(a, src)
         reshard.reshard(x, dst, cache_resharding_plans=True)
         p = reshard.plan(x, dst)
-        programs = [
-            v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
-        ]
-        assert len(programs) == 1, p._cache.keys()
-        compiled = dict(programs[0]._compiled)
+        program = only_program(p)
+        compiled = dict(program._compiled)
         check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
-        assert programs[0]._compiled == compiled  # same executables, nothing recompiled
+        assert program._compiled == compiled  # same executables, nothing recompiled
 
     def donation_frees_sources_after_success() -> None:
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
@@ -393,11 +398,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 _collective_host._pack_stage, _collective_host._destinations = pack, destinations
                 for k, v in saved.items():
                     setattr(_collective_host, k, v)
-            (program,) = [
-                v
-                for v in p._cache.values()
-                if isinstance(v, _collective_executor.CollectiveProgram)
-            ]
+            program = only_program(p)
             assert len(program.host.stages) > 3, len(program.host.stages)
             assert any(ch.whole for ch in program.host.chunks) == whole
             assert not x.is_deleted()
@@ -459,11 +460,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             finally:
                 _collective_device.block_inputs = build
                 _collective_device.GROUP_BYTES = saved
-            (program,) = [
-                v
-                for v in p._cache.values()
-                if isinstance(v, _collective_executor.CollectiveProgram)
-            ]
+            program = only_program(p)
             assert len(program.groups) == fail_at + 1, program.groups
             for k, v in tree.items():
                 assert not x[k].is_deleted()
@@ -486,9 +483,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             y = p.execute(x)
         finally:
             _collective_device.GROUP_BYTES = saved
-        (program,) = [
-            v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
-        ]
+        program = only_program(p)
         assert program.groups == [[k] for k in range(len(tree))], program.groups
         for k, v in tree.items():
             check(y[k], v, dst)
