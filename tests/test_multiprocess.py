@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard._launch import launch_local
+
+# The launched processes load this file by its path, with this directory not on their
+# import path: add it, for the shared helpers (pytest has added it already here).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import as_bits, random_values  # noqa: E402
 
 HERE = f"{__file__}"
 MISMATCHES: list[str] = []  # failed checks of the running scenario (in a child)
@@ -49,18 +55,9 @@ class _FailAfter:
 
 
 def _ground_truth(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
-    """The same array on every process (derived from the seed, not from a process id)."""
-    rng = np.random.default_rng(seed)
-    dt = np.dtype(dtype)
-    if dt == np.bool_:
-        return rng.integers(0, 2, shape).astype(bool)
-    if dt == np.dtype(ml_dtypes.int4):
-        return rng.integers(-8, 8, shape).astype(dt)
-    if dt == np.dtype(ml_dtypes.float4_e2m1fn):  # every code, one per byte
-        return rng.integers(0, 16, shape).astype(np.uint8).view(dt)
-    # Random bits: floats include NaNs with payloads, infinities and subnormals.
-    raw = rng.integers(0, 256, math.prod(shape) * dt.itemsize, dtype=np.uint8)
-    return raw.view(dt).reshape(shape)
+    """The same array on every process (derived from the seed, not from a process id):
+    random bits, so floats include NaNs with payloads, infinities and subnormals."""
+    return random_values(np.random.default_rng(seed), shape, np.dtype(dtype).name)
 
 
 def _random_layout(
@@ -120,13 +117,6 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             host.shape, sharding, lambda idx: host[idx], dtype=host.dtype
         )
 
-    def bits(x: np.ndarray) -> np.ndarray:
-        """Bytes to compare: bit for bit (NaN payloads too), but int4 by value (numpy
-        holds one in a byte whose upper half is not part of it)."""
-        if x.dtype in (jnp.int4, jnp.uint4):
-            return x.astype(np.int8)
-        return np.ascontiguousarray(x).view(np.uint8)
-
     def check(y: Any, host: np.ndarray, dst: Any) -> None:
         """Records mismatches instead of raising: a process that stopped half-way
         through a scenario would call different collectives than its peers (a hang)."""
@@ -141,7 +131,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             assert got == want, f"placement: shards on {got}, expected {want}"
             for s in y.addressable_shards:
                 data = jax.random.key_data(s.data) if is_key else s.data
-                np.testing.assert_array_equal(bits(np.asarray(data)), bits(host[s.index]))
+                np.testing.assert_array_equal(as_bits(data), as_bits(host[s.index]))
                 if dst.memory_kind is not None:
                     assert s.data.sharding.memory_kind == dst.memory_kind
         except AssertionError:
