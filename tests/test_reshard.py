@@ -171,6 +171,34 @@ def test_special_values_move_bit_for_bit(monkeypatch, executor, pack_on_host, dt
         check_result(y, truth, dst)
 
 
+@pytest.mark.parametrize("shape", [(0,), (0, 4), (4, 0), (1, 0), (2, 0, 4)])
+@pytest.mark.parametrize(
+    "executor,pack_on_host",
+    [("host", None), ("device", None), ("collective", True), ("collective", False)],
+)
+def test_arrays_with_no_elements(monkeypatch, executor, pack_on_host, shape):
+    # Nothing to move, but every destination shard must exist with its own shape. XLA
+    # gives every device the whole of an empty array ((4, 0) where shards are (2, 0)):
+    # jit outputs come that way (device_put's do not), and so did the device-packed
+    # program's outputs, which that path once handed on as the shards.
+    from reshard import _collective_executor
+
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    truth = np.zeros(shape, np.int32)
+    rank = len(shape)
+    src = NamedSharding(mesh1([0, 1]), P(*(["a"] if shape[0] % 2 == 0 else [None, "a"])))
+    for dst in (
+        NamedSharding(mesh1([6]), P("a")),  # other devices, one of them
+        NamedSharding(mesh1([1, 2, 3, 4]), P(*([None] * (rank - 1)), "a")),  # overlapping
+    ):
+        for x in (place(truth, src), jax.device_put(truth, src)):
+            check_result(reshard.reshard(x, dst, executor=executor), truth, dst)
+    # The same shards on the same devices, named another way: handed over as they are
+    # (so from device_put, whose shards have their own shapes).
+    same = NamedSharding(Mesh(np.array(DEVS[:2]).reshape(1, 2), ("x", "a")), src.spec)
+    check_result(reshard.reshard(jax.device_put(truth, src), same, executor=executor), truth, same)
+
+
 def test_device_packed_runs_in_groups_that_bound_placeholders(monkeypatch):
     from reshard import _collective_device, _collective_executor
 
