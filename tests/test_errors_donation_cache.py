@@ -80,6 +80,31 @@ def test_donated_input_cannot_be_reused(tree):
         reshard.reshard(tree, sharding([6, 7]))
 
 
+@pytest.mark.parametrize("executor", ["host", "device", "collective"])
+@pytest.mark.parametrize("kept_first", [True, False])
+def test_donating_an_array_that_stands_at_two_leaves(executor, kept_first):
+    # One leaf keeps the array's sharding (its shards are handed over), the other is
+    # relaid. Donated once, the handed-over shards must live on in the output: freeing
+    # the array for the relaid leaf used to delete them, or fail on the second leaf.
+    truth = np.arange(32.0).reshape(8, 4)
+    a = place(truth, sharding(range(8)))
+    dsts = [sharding(range(8)), sharding(range(8), P())]
+    if not kept_first:
+        dsts.reverse()
+    out = reshard.reshard([a, a], dsts, donate=True, executor=executor)
+    for y, d in zip(out, dsts, strict=True):
+        assert not y.is_deleted() and y.sharding == d
+        np.testing.assert_array_equal(np.asarray(y), truth)
+    # Nothing of it is left but what the kept leaf took over.
+    kept = out[0] if kept_first else out[1]
+    assert {s.data.unsafe_buffer_pointer() for s in kept.addressable_shards} == {
+        s.data.unsafe_buffer_pointer() for s in a.addressable_shards
+    }
+    b = place(truth, sharding(range(8)))
+    reshard.reshard([b, b], [sharding(range(4)), sharding(range(4, 8))], donate=True)
+    assert b.is_deleted()
+
+
 def test_bad_executor_name(tree):
     with pytest.raises(ValueError, match=r"executor must be one of .* got 'gpu'"):
         reshard.reshard(tree, sharding([4, 5]), executor="gpu")

@@ -120,11 +120,15 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
 
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
+        # An array may stand at several leaves: freed once, keeping every buffer that
+        # any of its outputs took over.
+        donated: dict[int, tuple[jax.Array, jax.Array, set[int]]] = {}
         for (i, _leaf), src, lp in zip(planned, sources, plan.leaf_plans, strict=True):
-            reused_devices = (
-                {lp.spec.src[si].device for _, si in lp.reused} if may_alias is not False else set()
-            )
-            _donate(values[i], src, reused_devices)
+            _, _, keep = donated.setdefault(id(values[i]), (values[i], src, set()))
+            if may_alias is not False:
+                keep.update(lp.spec.src[si].device for _, si in lp.reused)
+        for x, src, keep in donated.values():
+            _donate(x, src, keep)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
