@@ -105,6 +105,25 @@ def test_donating_an_array_that_stands_at_two_leaves(executor, kept_first):
     assert b.is_deleted()
 
 
+def test_donating_leaves_that_jax_device_put_moves():
+    # Key arrays on a sharding that is neither named nor single-device (JAX's internal
+    # GSPMDSharding here) go through jax.device_put; donated, they are freed too, and
+    # no output shares their buffers, even where nothing changes.
+    sharding_impls = pytest.importorskip("jax._src.sharding_impls")
+    named = sharding(range(8))
+    gspmd = sharding_impls.GSPMDSharding(named._device_assignment, named._to_xla_hlo_sharding(1))
+    data = np.arange(16, dtype=np.uint32).reshape(8, 2)
+    for dst in (sharding(range(4)), gspmd):
+        k = jax.device_put(jax.random.wrap_key_data(data), gspmd)
+        plan = reshard.plan([k, k], [dst, dst], cache=False)
+        assert "2 host leaf/leaves via jax.device_put" in str(plan)
+        out = plan.execute([k, k], donate=True)
+        assert k.is_deleted()
+        for y in out:
+            assert not y.is_deleted() and y.sharding.is_equivalent_to(dst, 1)
+            np.testing.assert_array_equal(np.asarray(jax.random.key_data(y)), data)
+
+
 def test_bad_executor_name(tree):
     with pytest.raises(ValueError, match=r"executor must be one of .* got 'gpu'"):
         reshard.reshard(tree, sharding([4, 5]), executor="gpu")

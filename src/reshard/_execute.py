@@ -111,9 +111,15 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             arr = jax.random.wrap_key_data(arr, impl=jax.random.key_impl(values[i]))
         out[i] = arr
     host = [i for i, leaf in enumerate(plan.leaves) if leaf.kind == HOST]
+    # jax.Arrays among them (key arrays on shardings that are neither named nor
+    # single-device) are donated below, after the copies; when donating, no copy
+    # may share their buffers.
+    given = [i for i in host if isinstance(values[i], jax.Array)] if donate else []
     if host:
         placed = jax.device_put(
-            [values[i] for i in host], [plan.leaves[i].dst_sharding for i in host]
+            [values[i] for i in host],
+            [plan.leaves[i].dst_sharding for i in host],
+            may_alias=False if given else may_alias,
         )
         for i, arr in zip(host, placed, strict=True):
             out[i] = arr
@@ -129,6 +135,8 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
                 keep.update(lp.spec.src[si].device for _, si in lp.reused)
         for x, src, keep in donated.values():
             _donate(x, src, keep)
+        for x in {id(values[i]): values[i] for i in given}.values():
+            x.delete()
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
