@@ -67,6 +67,14 @@ def test_spec_longer_than_rank(tree):
         reshard.reshard(tree, {"w": sharding([4, 5]), "b": NamedSharding(mesh, P("x", "y"))})
 
 
+def test_mesh_with_a_device_twice(tree):
+    with pytest.raises(
+        ValueError, match=r"leaf \['w'\]: the destination mesh lists device\(s\) \[4\]"
+    ):
+        reshard.reshard(tree, {"w": sharding([4, 5, 4, 6]), "b": sharding([2, 3])})
+    assert not tree["w"].is_deleted()
+
+
 def test_deleted_input(tree):
     tree["w"].delete()
     with pytest.raises(ValueError, match=r"leaf \['w'\] is a deleted jax.Array"):

@@ -254,6 +254,13 @@ def _check_destination(where: str, shape: tuple[int, ...], dst: Sharding) -> Non
             f"leaf {where}: destination spec {dst.spec} has {len(dst.spec)} entries but the "
             f"array has rank {len(shape)} (shape {shape}); use at most {len(shape)} entries"
         )
+    if isinstance(dst, NamedSharding) and dst.mesh.devices.size != len(dst.device_set):
+        ids = [d.id for d in dst.mesh.devices.flat]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(
+            f"leaf {where}: the destination mesh lists device(s) {twice} more than once; "
+            "a mesh needs distinct devices"
+        )
     try:
         dst.shard_shape(shape)
     except Exception as e:
