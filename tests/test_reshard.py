@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import math
 
 import jax
@@ -335,3 +336,9 @@ def test_plan_summary_matrix_and_dict():
     d = p.to_dict()
     assert d["stats"]["bytes_moved"] == 256
     assert sum(piece["bytes"] for piece in d["leaves"][0]["pieces"]) == 256
+
+
+def test_docstring_examples_run():
+    from reshard import _api
+
+    assert doctest.testmod(_api, raise_on_error=True).attempted > 0

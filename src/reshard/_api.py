@@ -86,7 +86,7 @@ def reshard(
       >>> devs = np.array(jax.devices()[:4])
       >>> x = jax.device_put(np.arange(16.0), NamedSharding(Mesh(devs, "a"), P("a")))
       >>> y = reshard.reshard(x, NamedSharding(Mesh(devs[::-1], "b"), P("b")))
-      >>> bool((y == x).all())
+      >>> bool(np.array_equal(y, x))  # compared on the host: x and y use other devices
       True
     """
     p = plan(
