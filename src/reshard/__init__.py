@@ -1,11 +1,10 @@
 """reshard: move sharded JAX arrays between shardings, device sets and memory kinds.
 
 The public surface is exactly what this module re-exports; everything else lives in
-private ``reshard._*`` modules. See README.md for a tour and ../shared/DESIGN.md for the
-architecture and vocabulary (box, shard, location, piece, plan, executor).
+private ``reshard._*`` modules. README.md ("What it does") gives a tour and the
+vocabulary (box, shard, location, piece, plan, executor); docs/ covers the command
+line, multi-process runs and elastic training.
 """
-
-from __future__ import annotations
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ which the array is cut along each "split candidate" dimension into as many shard
 ``reshard_with_intermediate_sharding`` reshards to it, keeps the first replica (a
 sub-mesh, via ``split_by_mesh_axis``, so nothing is copied) and reshards that to
 ``out``. The rules follow ``pathwaysutils.experimental.reshard``, whose callers move
-here by changing one import; DESIGN.md ("Semantics of the seed helpers") states them.
+here by changing one import; this module's docstrings state them.
 
 Per dimension ``i`` the *shard count* of a ``NamedSharding`` is the product of the
 sizes of the mesh axes its spec entry names (1 for ``None``); ``src`` and ``dst`` are

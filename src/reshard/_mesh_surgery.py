@@ -1,6 +1,6 @@
 """Mesh surgery: drop or add whole slices of a device mesh along one axis.
 
-Vocabulary (on top of DESIGN.md's box/shard/location):
+Vocabulary (on top of box/shard/location, README.md "What it does"):
 
 * **slice** -- along mesh axis ``a``, the sub-grid of devices at one position of ``a``
   (a mesh of shape ``{'data': 2, 'fsdp': 4}`` has two slices of four devices along
