@@ -157,6 +157,15 @@ def test_data_loss_is_reported_before_moving(tree):
     assert not tree["w"].is_deleted()
 
 
+def test_data_loss_boxes_of_key_arrays_have_their_rank():
+    # Planned as key data (one more dimension), reported as the key array's boxes.
+    keys = place(jax.random.split(jax.random.key(0), 8), sharding([0, 1, 2, 3]))
+    with pytest.raises(reshard.DataLossError) as e:
+        reshard.reshard({"k": keys}, sharding([4, 5]), avoid_devices=[1])
+    assert e.value.missing == [("['k']", ((2, 4),))]
+    assert "['k'][2:4]" in str(e.value)
+
+
 @pytest.mark.parametrize("executor", ["host", "device"])
 @pytest.mark.parametrize("copied_whole", [False, True])
 def test_failure_mid_run_loses_nothing(tree, monkeypatch, executor, copied_whole):

@@ -294,6 +294,25 @@ def test_prng_keys_move_exactly_without_host_round_trip():
     )
 
 
+@pytest.mark.parametrize("ids", [[6], [6, 7]], ids=["one-device", "two-devices"])
+def test_key_arrays_keep_the_destination_spec_as_written(ids):
+    # On one device JAX takes the key data's sharding as the key array's unchanged, so
+    # padding the data's spec with None for its extra dimension once gave the keys one
+    # spec entry too many there (P('b', None, None) for P('b', None)).
+    keys = jax.random.split(jax.random.key(3), 12).reshape(6, 2)
+    x = place(keys, NamedSharding(mesh1([0, 1, 2]), P("a")))
+    for spec in (P("b", None), P("b"), P(None, "b"), P()):
+        dst = NamedSharding(mesh1(ids, "b"), spec)
+        y = reshard.reshard(x, dst)
+        # As jax.device_put spells it (on several devices JAX pads the spec to the
+        # key array's rank: P('b', None) for P('b')), and as written on one device.
+        assert y.sharding == jax.device_put(x, dst).sharding, (y.sharding, dst)
+        assert y.sharding == dst if len(ids) == 1 else y.sharding.is_equivalent_to(dst, 2)
+        np.testing.assert_array_equal(
+            np.asarray(jax.random.key_data(y)), np.asarray(jax.random.key_data(keys))
+        )
+
+
 @pytest.mark.parametrize("executor", ["host", "device"])
 @pytest.mark.parametrize(
     "src_mk,dst_mk",

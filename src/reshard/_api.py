@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from . import _compat
+from ._errors import DataLossError
 from ._geometry import box_from_index
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
 from ._planner import LeafSpec, ShardSpec, plan_leaves
@@ -240,7 +241,9 @@ def key_data_shape(shape: tuple[int, ...], dtype: Any) -> tuple[int, ...]:
 
 
 def _key_data_sharding(s: Sharding, extra: int) -> Sharding | None:
-    if isinstance(s, SingleDeviceSharding):
+    if isinstance(s, SingleDeviceSharding) or (isinstance(s, NamedSharding) and s.num_devices == 1):
+        # On one device JAX takes the data's sharding as the key array's, unchanged:
+        # the destination's own spec (shorter than the data's rank) keeps its spelling.
         return s
     if isinstance(s, NamedSharding):
         spec = tuple(s.spec) + (None,) * extra
@@ -344,7 +347,17 @@ def _build_plan(
         raise ValueError(
             f"arrays of one reshard must live on one platform, got {sorted(platforms)}"
         )
-    leaf_plans, stats = plan_leaves(specs, avoid_devices=avoid)
+    try:
+        leaf_plans, stats = plan_leaves(specs, avoid_devices=avoid)
+    except DataLossError as e:
+        # Key arrays are planned as their key data, whose extra dimensions are never
+        # split: their boxes are reported in the key array's own dimensions.
+        ranks = {leaf.path or "<root>": len(leaf.shape) for leaf in leaves if leaf.kind == KEY}
+        if not ranks:
+            raise
+        raise DataLossError(
+            [(path, box[: ranks.get(path, len(box))]) for path, box in e.missing]
+        ) from None
     if executor == "auto":
         if jax.process_count() > 1:
             executor = "collective"
