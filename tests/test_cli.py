@@ -289,6 +289,16 @@ def test_plan_colours_only_on_a_terminal() -> None:
         (["plan", "--shape", "10", "--src-mesh", "3", "--dst-mesh", "2"], ["not divisible by 3"]),
         (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--dtype", "floaty"],
          ["not a dtype", "bfloat16"]),
+        # numpy reads these as records, objects, strings, dates, or a syntax error
+        *[(["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", f"--dtype={d}"],
+           ["not a dtype", "bfloat16"])
+          for d in (",8", "f4,f4", "object", "finfo", "S3", "M8[ns]", "V8", "float128")],
+        (["plan", "--shape", "16", "--src-mesh", "100000x100000", "--dst-mesh", "2"],
+         ["10000000000 devices", "at most"]),
+        (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--avoid", "0-99999999999"],
+         ["--avoid", "more than"]),
+        (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--count", "1000000000"],
+         ["--count", "lower --count"]),
         (["plan", "--shape", "16", "--src-mesh", "2", "--src-spec", "foo", "--dst-mesh", "2"],
          ["['foo']", "does not define"]),
         (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--avoid", "1"],

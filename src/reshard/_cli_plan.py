@@ -35,6 +35,11 @@ from ._planner import LeafSpec, ShardSpec, plan_leaves
 # ----------------------------------------------------------------------------------
 
 
+# The most devices a side may have: plans of 16,384 take about a second; far more
+# would only exhaust memory building the id lists.
+MAX_DEVICES = 1 << 20
+
+
 def _int_list(text: str, what: str, example: str, *, minimum: int) -> tuple[int, ...]:
     parts = [p.strip() for p in re.split(r"[,x]", text.strip())]
     try:
@@ -59,7 +64,12 @@ def shape_arg(text: str) -> tuple[int, ...]:
 
 def mesh_arg(text: str) -> tuple[int, ...]:
     """``'64x64'`` or ``'64,64'`` -> ``(64, 64)``."""
-    return _int_list(text, "mesh shape", "--src-mesh 64x64", minimum=1)
+    sizes = _int_list(text, "mesh shape", "--src-mesh 64x64", minimum=1)
+    if math.prod(sizes) > MAX_DEVICES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a mesh of {math.prod(sizes)} devices; at most {MAX_DEVICES} are planned"
+        )
+    return sizes
 
 
 def axes_arg(text: str) -> tuple[str, ...]:
@@ -116,6 +126,10 @@ def devices_arg(text: str) -> tuple[int, ...]:
             )
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) is not None else lo
+        if len(ids) + hi - lo + 1 > MAX_DEVICES:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} lists more than {MAX_DEVICES} devices, the most that are planned"
+            )
         ids.extend(range(lo, hi + 1))
     if len(set(ids)) != len(ids):
         dup = sorted(i for i, c in Counter(ids).items() if c > 1)[:5]
@@ -129,12 +143,23 @@ def dtype_arg(text: str) -> np.dtype[Any]:
 
     name = text.strip()
     try:
-        return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
-    except TypeError:
+        if hasattr(ml_dtypes, name):
+            dt = np.dtype(getattr(ml_dtypes, name))
+            ok = dt.kind == "V" and dt.names is None  # bfloat16, float8_*, int4, ...
+        else:
+            dt = np.dtype(name)
+            # Numbers and bools of the widths JAX has: not strings, objects, dates,
+            # records ("i4,f4") or raw bytes, nor float128.
+            ok = dt.kind in "biufc" and dt.itemsize <= (16 if dt.kind == "c" else 8)
+        ok = ok and dt.itemsize > 0
+    except Exception:  # numpy raises TypeError, ValueError or SyntaxError (",8")
+        ok = False
+    if not ok:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a dtype; write a numpy or JAX dtype name, e.g. --dtype bfloat16 "
-            "(or float32, int8, float8_e4m3fn)"
-        ) from None
+            f"{text!r} is not a dtype of JAX arrays; write a numpy or JAX dtype name, "
+            "e.g. --dtype bfloat16 (or float32, int8, float8_e4m3fn)"
+        )
+    return dt
 
 
 # ----------------------------------------------------------------------------------
@@ -251,6 +276,12 @@ def synthetic_plan(
       UsageError: inconsistent sides, or avoided devices in the destination.
       DataLossError: a box has no copy outside ``avoid``.
     """
+    shards = count * (len(src.devices) + len(dst.devices))
+    if shards > MAX_DEVICES * 16:
+        raise UsageError(
+            f"--count {count} arrays over {len(src.devices)} + {len(dst.devices)} devices "
+            f"make {shards} shards; at most {MAX_DEVICES * 16} are planned (lower --count)"
+        )
     lost_dst = sorted(set(avoid) & set(dst.devices))
     if lost_dst:
         raise UsageError(
