@@ -224,6 +224,57 @@ def test_memory_kind_is_kept():
     assert_array(joined, value, x.sharding)
 
 
+@pytest.mark.parametrize("made_by", ["jit", "device_put"])
+def test_unpinned_host_arrays_are_split_and_joined_without_being_consumed(made_by):
+    # XLA runs nothing on unpinned host memory: donating jit-made one-device parts to
+    # the jitted identity aborted the process (jax 0.10, CPU). Such inputs stay valid,
+    # and the result aliases them.
+    mesh = make_mesh((2,), ("a",))
+    value = np.arange(16, dtype=np.float32).reshape(4, 4)
+    unpinned = NamedSharding(mesh, P(None, "a"), memory_kind="unpinned_host")
+    # Not put(): its jitted copy would land in device memory.
+    if made_by == "jit":
+        x = jax.jit(lambda v: v, out_shardings=unpinned)(value)
+    else:
+        x = jax.device_put(value, unpinned)
+    assert x.sharding.memory_kind == "unpinned_host"
+    before = pointers(x)
+    for donate in (False, True):
+        parts = split_by_mesh_axis(x, "a", donate=donate)
+        assert not x.is_deleted()
+        for k, part in enumerate(parts):
+            sub = NamedSharding(
+                Mesh(mesh.devices[k : k + 1], ("a",)), P(None, "a"), memory_kind="unpinned_host"
+            )
+            assert_array(part, value[:, 2 * k : 2 * k + 2], sub)
+        joined = concatenate_by_mesh_axis(parts, "a")
+        assert not any(p.is_deleted() for p in parts)
+        assert_array(joined, value, x.sharding)
+        assert pointers(joined) == before
+
+
+@pytest.mark.parametrize("spec", [P(), P("b")])
+def test_donation_declined_for_one_shard_keeps_every_shard_alive(spec):
+    # A numpy view of one shard (np.asarray of a replicated array) makes JAX donate the
+    # other buffers only, leaving the input "not deleted" but without them: the result
+    # once held deleted shards, and a jit on it crashed the process.
+    mesh = make_mesh((2, 2), ("a", "b"))
+    value = np.arange(2, dtype=np.float32)
+    parts = split_by_mesh_axis(put(value, mesh, spec), "a")
+    view = host(parts[0])
+    joined = concatenate_by_mesh_axis(parts, "a")
+    assert all(p.is_deleted() for p in parts)
+    assert_array(joined, value, NamedSharding(mesh, spec))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a + 1)(joined)), value + 1)
+    np.testing.assert_array_equal(view, value)  # the view still reads what it saw
+    x = put(value, mesh, spec)
+    view = host(x)
+    for k, part in enumerate(split_by_mesh_axis(x, "a", donate=True)):
+        assert x.is_deleted()
+        sub = NamedSharding(Mesh(mesh.devices[k : k + 1], ("a", "b")), spec)
+        assert_array(part, value, sub)
+
+
 def test_prng_key_arrays():
     mesh = make_mesh((4, 2), ("a", "b"))
     keys = put(jax.random.split(jax.random.key(7), 8), mesh, P("a"))

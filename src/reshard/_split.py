@@ -19,7 +19,9 @@ buffers to a fresh array and marking the input deleted; the parts are then built
 that fresh array. (A buffer XLA does not own outright, such as one that still aliases
 the numpy array it was ``device_put`` from, is copied by that identity instead: still
 correct, just not free.) The parts are first built from the untouched inputs, so any
-failure happens before an input is invalidated.
+failure happens before an input is invalidated. Arrays in unpinned host memory are not
+consumed: XLA runs nothing on them (the donating call aborts the process, jax 0.10 on
+CPU), so they stay valid and the result aliases them, as without donation.
 """
 
 from __future__ import annotations
@@ -181,14 +183,23 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     All ``arrays`` must live on one device set (one jit call). An array listed twice is
     donated once. Where JAX declines a donation (for example while a numpy view of the
     buffer is alive) it copies instead and leaves the input valid; the input is then
-    returned as is, so nothing is held twice.
+    returned as is, so nothing is held twice. Where it declines for some buffers only
+    (a numpy view of one shard), it donates the others and the input, not marked
+    deleted, has lost them: the fresh array (donated buffers and copies) replaces it,
+    and the input is deleted. Arrays in unpinned host memory are returned as they are:
+    XLA runs nothing on them (on CPU, jax 0.10, the donating call aborts the process).
     """
-    unique = list({id(a): a for a in arrays}.values())
+    unique = [
+        a for a in {id(a): a for a in arrays}.values() if a.sharding.memory_kind != "unpinned_host"
+    ]
     if not unique:
         return list(arrays)
-    fresh = _donating_identity(unique)
-    swap = {id(a): (a if not a.is_deleted() else b) for a, b in zip(unique, fresh, strict=True)}
-    return [swap[id(a)] for a in arrays]
+    swap = {}
+    for a, b in zip(unique, _donating_identity(unique), strict=True):
+        if not a.is_deleted() and any(s.data.is_deleted() for s in a.addressable_shards):
+            a.delete()
+        swap[id(a)] = b if a.is_deleted() else a
+    return [swap.get(id(a), a) for a in arrays]
 
 
 # One jitted identity for everything: the cache keys on the arguments' avals and
@@ -277,8 +288,9 @@ def split_by_mesh_axis(
         axis; an int ``N`` for ``N`` equal parts (``N`` must divide the axis size);
         or a sequence of strictly increasing interior boundaries in ``(0, size)``:
         ``[2, 3]`` on an axis of size 4 gives parts ``[0:2]``, ``[2:3]``, ``[3:4]``.
-      donate: consume the inputs: they are marked deleted once the parts are built.
-        Either way no buffer is copied; by default the parts alias the inputs.
+      donate: consume the inputs: they are marked deleted once the parts are built
+        (not those in unpinned host memory, which stay valid). Either way no buffer
+        is copied; by default the parts alias the inputs.
 
     Returns:
       A list with one pytree per part, each of the structure of ``arrays``.
@@ -426,7 +438,8 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
     dimension that names the axis; an array replicated along it keeps its shape (its
     parts are assumed equal, as a replicated array's are; nothing is compared). No data
     crosses devices and nothing is copied. The inputs are donated: they are marked
-    deleted once the result is built.
+    deleted once the result is built (not those in unpinned host memory, which stay
+    valid and which the result aliases).
 
     Args:
       array_trees: pytrees of one structure; each holds ``jax.Array``s (or
