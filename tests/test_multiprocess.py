@@ -600,13 +600,17 @@ def _reshard_until_killed(victim: int, kill_at: int) -> int:
     return i
 
 
-def _skip_a_reshard(skipper: int, limit_s: float, pack_on_host: bool) -> None:
+def _skip_a_reshard(skipper: int, limit_s: float, pack_on_host: bool, change: bool) -> None:
     """Every process reshards once; then process ``skipper`` gets stuck instead of
-    making the second call, and the others wait for it with the watchdog on."""
+    making the second call (or, with ``change``, makes it with another destination,
+    which the others' cached plan is not checked against), and the others wait for it
+    with the watchdog on."""
     import os
     import time
 
     import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import reshard
     from reshard import _collective_executor
@@ -617,7 +621,9 @@ def _skip_a_reshard(skipper: int, limit_s: float, pack_on_host: bool) -> None:
     jax.block_until_ready(reshard.reshard(x, b, cache_resharding_plans=True))
     print("first reshard done", flush=True)  # the watchdog stayed quiet
     if jax.process_index() == skipper:
-        time.sleep(90)
+        if not change:
+            time.sleep(90)
+        b = NamedSharding(b.mesh, P("t"))
     jax.block_until_ready(reshard.reshard(x, b, cache_resharding_plans=True))
 
 
@@ -647,8 +653,16 @@ def test_a_process_killed_mid_reshard_fails_the_others_in_bounded_time() -> None
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pack", ["host", "device"])
-def test_a_process_skipping_a_call_ends_every_process_with_the_watchdog_on(pack: str) -> None:
+@pytest.mark.parametrize(
+    "pack,change", [("host", False), ("device", False), ("host", True)],
+    ids=["host-skips", "device-skips", "host-changes-its-destination"],
+)  # fmt: skip
+def test_a_process_skipping_a_call_ends_every_process_with_the_watchdog_on(
+    pack: str, change: bool
+) -> None:
+    # A changed destination on a later call is the same to the others: their plan is
+    # cached and checked once, so they run its transfers while the changed process
+    # waits to check its new plan.
     from reshard._collective_executor import TIMEOUT_EXIT_CODE
 
     limit_s = 4.0
@@ -656,7 +670,7 @@ def test_a_process_skipping_a_call_ends_every_process_with_the_watchdog_on(pack:
         f"{HERE}:_skip_a_reshard",
         num_processes=3,
         devices_per_process=2,
-        args=[2, limit_s, pack == "host"],
+        args=[2, limit_s, pack == "host", change],
         check=False,
         heartbeat_timeout_s=5,
         peer_failure_grace_s=60,

@@ -337,7 +337,10 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
     multi-controller contract, e.g. destination shardings built from
     ``jax.local_devices()``) would otherwise wait for each other in mismatched
     collectives (for 30 minutes, XLA's default). One small all-gather over every
-    process, once per program.
+    process, once per program: a program that has agreed is not checked again (each
+    call would pay the all-gather, ~4 ms over gloo here), so a process that later
+    changes its arguments while the others reuse the program leaves them waiting in
+    its collectives; ``RESHARD_COLLECTIVE_TIMEOUT_S`` bounds that wait.
 
     Raises:
       ValueError: on every process, naming the processes whose program differs from
