@@ -257,13 +257,6 @@ def _check_destination(where: str, shape: tuple[int, ...], dst: Sharding) -> Non
             f"leaf {where}: destination spec {dst.spec} has {len(dst.spec)} entries but the "
             f"array has rank {len(shape)} (shape {shape}); use at most {len(shape)} entries"
         )
-    if isinstance(dst, NamedSharding) and dst.mesh.devices.size != len(dst.device_set):
-        ids = [d.id for d in dst.mesh.devices.flat]
-        twice = sorted({i for i in ids if ids.count(i) > 1})
-        raise ValueError(
-            f"leaf {where}: the destination mesh lists device(s) {twice} more than once; "
-            "a mesh needs distinct devices"
-        )
     try:
         dst.shard_shape(shape)
     except Exception as e:
@@ -271,6 +264,17 @@ def _check_destination(where: str, shape: tuple[int, ...], dst: Sharding) -> Non
             f"leaf {where}: shape {shape} cannot be divided by the destination sharding "
             f"{dst}: {e}. Every sharded dimension must be divisible by its shard count"
         ) from None
+
+
+def _check_distinct_devices(where: str, dst: Any) -> None:
+    """Once per plan built (not per call): a mesh listing a device twice."""
+    if isinstance(dst, NamedSharding) and dst.mesh.devices.size != len(dst.device_set):
+        ids = [d.id for d in dst.mesh.devices.flat]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(
+            f"leaf {where}: the destination mesh lists device(s) {twice} more than once; "
+            "a mesh needs distinct devices"
+        )
 
 
 def _device_id(d: Any) -> int:
@@ -318,6 +322,7 @@ def _build_plan(
             src, dst = leaf.data_src_sharding, leaf.data_dst_sharding
             shape = key_data_shape(leaf.shape, leaf.dtype)
         assert src is not None and dst is not None
+        _check_distinct_devices(leaf.path or "<root>", leaf.dst_sharding)
         devices: set[Any] = set(src.device_set | dst.device_set)
         leaf_platforms = {d.platform for d in devices}
         if len(leaf_platforms) > 1:
