@@ -226,15 +226,6 @@ def leaf_groups(weights: Sequence[int], limit: int) -> list[list[int]]:
     return groups
 
 
-def _empty_as(buf: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """``buf`` as a ``shape``-shaped block where it has no elements: XLA may give every
-    device the whole of an empty array ((4, 0) where blocks are (2, 0)), in its inputs
-    and outputs alike. There are no bytes to move, only a shape to set right."""
-    if buf.size == 0 and buf.shape != shape:
-        return buf.reshape(shape)
-    return buf
-
-
 def block_inputs(
     program: CollectiveProgram, sources: Sequence[jax.Array], leaves: Sequence[int]
 ) -> list[jax.Array]:
@@ -254,7 +245,7 @@ def block_inputs(
             if program.leaves[li].scalar:
                 b = b.reshape((1,))
             else:
-                b = _empty_as(b, program.leaves[li].src_block)
+                b = _compat.empty_as(b, program.leaves[li].src_block)
             if b.dtype != program.in_dtypes[li]:
                 b = b.astype(program.in_dtypes[li])
             blocks[d.id] = b
@@ -292,13 +283,13 @@ def assemble(
     for d in devs:
         pos = program.position[d.id]
         if pos in reused:
-            parts.append(_empty_as(src_bufs[program.devices[reused[pos]].id], block_shape))
+            parts.append(_compat.empty_as(src_bufs[program.devices[reused[pos]].id], block_shape))
         else:
             block = out_bufs[d.id]
             if program.leaves[li].scalar:
                 block = block.reshape(())
             else:
-                block = _empty_as(block, block_shape)
+                block = _compat.empty_as(block, block_shape)
             if block.dtype != program.dtypes[li]:
                 block = block.astype(program.dtypes[li])
             if mk is not None and block.sharding.memory_kind != mk:

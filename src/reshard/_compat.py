@@ -70,6 +70,16 @@ def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
     return {s.device.id: s.data for s in x.addressable_shards}
 
 
+def empty_as(buf: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``buf`` as a ``shape``-shaped shard where it has no elements: XLA may give every
+    device the whole of an empty array ((4, 0) where shards are (2, 0)), in jit outputs
+    and the outputs of a donating identity alike. There are no bytes to move, only a
+    shape to set right."""
+    if buf.size == 0 and buf.shape != shape:
+        return buf.reshape(shape)
+    return buf
+
+
 def assemble(
     shape: tuple[int, ...],
     dtype: Any,

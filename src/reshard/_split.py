@@ -38,6 +38,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from . import _compat
+
 __all__ = ["concatenate_by_mesh_axis", "split_by_mesh_axis"]
 
 Leaf = jax.Array | jax.ShapeDtypeStruct
@@ -251,6 +253,9 @@ def _assemble(
     # the mesh's.
     local = sharding.addressable_devices
     shards = [by_device[device] for device in sharding.mesh.devices.flat if device in local]
+    if math.prod(shape) == 0:  # see _compat.empty_as
+        block = sharding.shard_shape(shape)
+        shards = [_compat.empty_as(s, block) for s in shards]
     # dtype= lets a process that holds none of the devices still build its handle.
     return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=template.dtype)
 
