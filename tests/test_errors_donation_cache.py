@@ -113,6 +113,30 @@ def test_donating_an_array_that_stands_at_two_leaves(executor, kept_first):
     assert b.is_deleted()
 
 
+@pytest.mark.parametrize("executor", ["host", "device", "collective"])
+def test_donating_two_arrays_that_share_buffers(executor):
+    # An earlier reshard's output that took over its input's buffers, donated with
+    # that input: freeing one used to free the other's output (returned deleted), or
+    # fail on a buffer already freed after deleting the inputs.
+    truth = np.arange(32.0).reshape(8, 4)
+    same, other = sharding(range(4)), sharding(range(4, 8), P())
+    for keep in (True, False):
+        x = place(truth, same)
+        y = reshard.reshard(x, sharding(range(4), P("a", None)), executor=executor)
+        assert pointers(y) == pointers(x)  # handed over, not copied
+        dst = {"x": same if keep else other, "y": other}
+        out = reshard.reshard({"x": x, "y": y}, dst, donate=True, executor=executor)
+        for k, v in out.items():
+            assert not v.is_deleted() and v.sharding == dst[k]
+            np.testing.assert_array_equal(np.asarray(v), truth)
+        # Kept: out["x"] holds the buffers both inputs share. Else both are freed.
+        assert x.is_deleted() == y.is_deleted() == (not keep)
+
+
+def pointers(a):
+    return {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+
+
 def test_donating_leaves_that_jax_device_put_moves():
     # Key arrays on a sharding that is neither named nor single-device (JAX's internal
     # GSPMDSharding here) go through jax.device_put; donated, they are freed too, and

@@ -126,15 +126,16 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
 
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
-        # An array may stand at several leaves: freed once, keeping every buffer that
-        # any of its outputs took over.
-        donated: dict[int, tuple[jax.Array, jax.Array, set[int]]] = {}
+        donated: dict[int, tuple[jax.Array, jax.Array]] = {}
+        kept: set[int] = set()  # buffers an output took over unchanged
         for (i, _leaf), src, lp in zip(planned, sources, plan.leaf_plans, strict=True):
-            _, _, keep = donated.setdefault(id(values[i]), (values[i], src, set()))
-            if may_alias is not False:
-                keep.update(lp.spec.src[si].device for _, si in lp.reused)
-        for x, src, keep in donated.values():
-            _donate(x, src, keep)
+            donated.setdefault(id(values[i]), (values[i], src))
+            if may_alias is not False and lp.reused:
+                bufs = _compat.device_buffers(src)
+                kept.update(
+                    bufs[lp.spec.src[si].device].unsafe_buffer_pointer() for _, si in lp.reused
+                )
+        _donate(list(donated.values()), kept)
         for x in {id(values[i]): values[i] for i in given}.values():
             x.delete()
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -172,14 +173,28 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
     return whole
 
 
-def _donate(x: jax.Array, data: jax.Array, keep_devices: set[int]) -> None:
-    """Frees ``x``'s buffers, except those handed over to the output unchanged."""
-    if not keep_devices:
-        x.delete()
-        return
-    for dev, buf in _compat.device_buffers(data).items():
-        if dev not in keep_devices:
-            buf.delete()
+def _donate(arrays: Sequence[tuple[jax.Array, jax.Array]], kept: set[int]) -> None:
+    """Frees the buffers of ``(array, its data)`` pairs, except those in ``kept`` (by
+    ``unsafe_buffer_pointer``: handed over to an output unchanged), each buffer once.
+
+    One buffer may belong to several of the arrays (one array at two leaves, or two
+    arrays sharing buffers, as an earlier reshard's output and its input do), so every
+    buffer is found before any is freed. An array none of whose buffers is kept, and
+    none freed through another, is deleted as a whole (it then reads as deleted).
+    """
+    found = [
+        (x, [(b, b.unsafe_buffer_pointer()) for b in _compat.device_buffers(data).values()])
+        for x, data in arrays
+    ]
+    freed: set[int] = set()
+    for x, bufs in found:
+        free = [(b, p) for b, p in bufs if p not in kept and p not in freed]
+        if len(free) == len(bufs):
+            x.delete()
+        else:
+            for b, _ in free:
+                b.delete()
+        freed.update(p for _, p in free)
 
 
 def _moved_sharding(leaf: LeafInfo) -> Sharding:
