@@ -292,6 +292,35 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         check(reshard.reshard(x, dst, donate=True), a, dst)
         assert x.is_deleted()
 
+    def donation_keeps_what_outputs_hold() -> None:
+        def expect(ok: bool, what: str) -> None:  # recorded, not raised: see check()
+            if not ok:
+                MISMATCHES.append(f"process {me}: {what}")
+
+        # Every shard kept in place, on every process's devices: the donated input
+        # keeps the buffers its output holds (each process sees only its own).
+        sh, other = ns(devs, ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        x = make(a, sh)
+        y = reshard.reshard(x, sh, donate=True)
+        check(y, a, sh)
+        expect(not x.is_deleted(), "an input whose buffers an output holds was deleted")
+        # An earlier output passed with its input (they share every buffer).
+        z = reshard.reshard(y, ns(devs, ("g",), P("g")))
+        out = reshard.reshard({"y": y, "z": z}, {"y": sh, "z": other}, donate=True)
+        check(out["y"], a, sh)
+        check(out["z"], a, other)
+        # Split parts of a mesh across processes, joined (which donates): deleted on
+        # every process, also those that hold none of a part's devices.
+        grid = ns(devs.reshape(2, -1), ("p", "d"), P("p"))
+        parts = reshard.split_by_mesh_axis(make(a, grid), "p")
+        check(reshard.concatenate_by_mesh_axis(parts, "p"), a, grid)
+        expect(all(p.is_deleted() for p in parts), "a joined part was not deleted")
+        # The same with no elements, in pinned host memory.
+        empty = np.zeros((0, 32), np.float32)
+        pinned = ns(devs.reshape(2, -1), ("p", "d"), P(None, "d"), "pinned_host")
+        parts = reshard.split_by_mesh_axis(make(empty, pinned), "p")
+        check(reshard.concatenate_by_mesh_axis(parts, "p"), empty, pinned)
+
     def failure_leaves_inputs_intact() -> None:
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
         x = make(a, src)
@@ -536,6 +565,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             pytree_of_dtypes_and_keys,
             cached_plan_reuses_the_program,
             donation_frees_sources_after_success,
+            donation_keeps_what_outputs_hold,
             failure_leaves_inputs_intact,
             different_arguments_raise_on_every_process,
             random_cases,
@@ -716,6 +746,7 @@ SCENARIOS = [
     "pytree_of_dtypes_and_keys",
     "cached_plan_reuses_the_program",
     "donation_frees_sources_after_success",
+    "donation_keeps_what_outputs_hold",
     "failure_leaves_inputs_intact",
     "different_arguments_raise_on_every_process",
     "random_cases",

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import Sharding, SingleDeviceSharding
 
 try:  # pragma: no cover - exercised on whichever JAX is installed
     from jax._src import core as _core
@@ -70,13 +70,19 @@ def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
     return {s.device.id: s.data for s in x.addressable_shards}
 
 
-def empty_as(buf: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """``buf`` as a ``shape``-shaped shard where it has no elements: XLA may give every
-    device the whole of an empty array ((4, 0) where shards are (2, 0)), in jit outputs
-    and the outputs of a donating identity alike. There are no bytes to move, only a
-    shape to set right."""
-    if buf.size == 0 and buf.shape != shape:
-        return buf.reshape(shape)
+def empty_as(buf: jax.Array, shape: tuple[int, ...], memory_kind: str | None = None) -> jax.Array:
+    """``buf`` as a ``shape``-shaped shard (in ``memory_kind``, if given) where it has
+    no elements: XLA may give every device the whole of an empty array ((4, 0) where
+    shards are (2, 0)), in jit outputs and the outputs of a donating identity alike,
+    and the latter in device memory. There are no bytes to move, only a shape and a
+    memory kind to set right."""
+    if buf.size != 0:
+        return buf
+    if buf.shape != shape:
+        buf = buf.reshape(shape)  # in device memory, from unpinned host memory
+    if memory_kind is not None and buf.sharding.memory_kind != memory_kind:
+        (device,) = buf.sharding.device_set
+        buf = jax.device_put(buf, SingleDeviceSharding(device, memory_kind=memory_kind))
     return buf
 
 

@@ -131,10 +131,11 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         for (i, _leaf), src, lp in zip(planned, sources, plan.leaf_plans, strict=True):
             donated.setdefault(id(values[i]), (values[i], src))
             if may_alias is not False and lp.reused:
-                bufs = _compat.device_buffers(src)
-                kept.update(
-                    bufs[lp.spec.src[si].device].unsafe_buffer_pointer() for _, si in lp.reused
-                )
+                bufs = _compat.device_buffers(src)  # this process's devices only
+                for _, si in lp.reused:
+                    buf = bufs.get(lp.spec.src[si].device)
+                    if buf is not None:
+                        kept.add(buf.unsafe_buffer_pointer())
         _donate(list(donated.values()), kept)
         for x in {id(values[i]): values[i] for i in given}.values():
             x.delete()

@@ -198,7 +198,11 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
         return list(arrays)
     swap = {}
     for a, b in zip(unique, _donating_identity(unique), strict=True):
-        if not a.is_deleted() and any(s.data.is_deleted() for s in a.addressable_shards):
+        shards = [] if a.is_deleted() else a.addressable_shards
+        # Partly donated; or, in a process that holds none of its devices, nothing
+        # here to donate, so JAX leaves it as it was: deleted all the same, as on the
+        # processes that hold its buffers.
+        if not a.is_deleted() and (not shards or any(s.data.is_deleted() for s in shards)):
             a.delete()
         swap[id(a)] = b if a.is_deleted() else a
     return [swap.get(id(a), a) for a in arrays]
@@ -255,7 +259,7 @@ def _assemble(
     shards = [by_device[device] for device in sharding.mesh.devices.flat if device in local]
     if math.prod(shape) == 0:  # see _compat.empty_as
         block = sharding.shard_shape(shape)
-        shards = [_compat.empty_as(s, block) for s in shards]
+        shards = [_compat.empty_as(s, block, sharding.memory_kind) for s in shards]
     # dtype= lets a process that holds none of the devices still build its handle.
     return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=template.dtype)
 
