@@ -154,6 +154,35 @@ def test_donating_leaves_that_jax_device_put_moves():
         for y in out:
             assert not y.is_deleted() and y.sharding.is_equivalent_to(dst, 1)
             np.testing.assert_array_equal(np.asarray(jax.random.key_data(y)), data)
+    # The same keys also at a planned leaf that keeps them in place: that output holds
+    # their buffers, which freeing the device_put leaf's source used to delete.
+    half, rest = sharding(range(4)), sharding(range(4, 8))
+    elsewhere = sharding_impls.GSPMDSharding(rest._device_assignment, rest._to_xla_hlo_sharding(1))
+    k = jax.device_put(jax.random.wrap_key_data(data), half)
+    out = reshard.reshard({"keep": k, "g": k}, {"keep": half, "g": elsewhere}, donate=True)
+    for y in out.values():
+        assert not y.is_deleted()
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(y)), data)
+
+
+def test_donating_zero_copy_replicas_frees_them_all():
+    # device_put of an aligned host array to a replicated sharding gives every CPU
+    # device a buffer at one address: several buffers, not one. Donated with a split
+    # part that shares two of them, the others were taken for freed already.
+    from reshard import _compat
+
+    host = _compat.aligned_empty((64,), np.dtype(np.float32))
+    host[:] = np.arange(64)
+    grid = Mesh(np.array(DEVS).reshape(2, 4), ("a", "d"))
+    x = jax.device_put(host, NamedSharding(grid, P()))
+    buffers = [s.data for s in x.addressable_shards]
+    assert len({b.unsafe_buffer_pointer() for b in buffers}) == 1
+    part = reshard.split_by_mesh_axis(x, "d")[1]  # x's buffers on devices 1 and 5
+    dst = {"part": part.sharding, "x": sharding([1, 7], P())}
+    out = reshard.reshard({"part": part, "x": x}, dst, donate=True, may_alias=False)
+    assert x.is_deleted() and all(b.is_deleted() for b in buffers)
+    for v in out.values():
+        np.testing.assert_array_equal(np.asarray(v), np.arange(64))
 
 
 def test_bad_executor_name(tree):

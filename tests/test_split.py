@@ -298,6 +298,31 @@ def test_arrays_with_no_elements(made_by, sections):
     assert_array(joined, value, sharding)
 
 
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_inputs_that_share_buffers_are_left_undonated(mesh_shape):
+    # Parts of one array at two leaves (and an array with what was handed its
+    # buffers) share buffers: donating both asked XLA to donate one buffer twice
+    # (an error, or a segfault on a 2-D mesh); donating one would leave the other on
+    # freed buffers. They stay valid instead, and the results alias them.
+    names = ("a", "b")[: len(mesh_shape)]
+    mesh = make_mesh(mesh_shape, names)
+    value = np.arange(8, dtype=np.float32)
+    x = put(value, mesh, P("a"))
+    parts = split_by_mesh_axis({"w": x, "tied": x}, "a")
+    joined = concatenate_by_mesh_axis(parts, "a")
+    for key in ("w", "tied"):
+        assert_array(joined[key], value, x.sharding)
+        assert not any(p[key].is_deleted() for p in parts)
+    y = reshard.reshard(x, NamedSharding(mesh, P("a")))  # handed x's buffers
+    assert pointers(y) == pointers(x)
+    split = split_by_mesh_axis({"x": x, "y": y}, "a", donate=True)
+    assert not x.is_deleted() and not y.is_deleted()
+    for k, part in enumerate(split):
+        sub = NamedSharding(Mesh(mesh.devices[k : k + 1], names), P("a"))
+        assert_array(part["x"], value[4 * k : 4 * k + 4], sub)
+        assert_array(part["y"], value[4 * k : 4 * k + 4], sub)
+
+
 def test_prng_key_arrays():
     mesh = make_mesh((4, 2), ("a", "b"))
     keys = put(jax.random.split(jax.random.key(7), 8), mesh, P("a"))

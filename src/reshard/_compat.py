@@ -70,6 +70,15 @@ def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
     return {s.device.id: s.data for s in x.addressable_shards}
 
 
+def buffer_keys(x: jax.Array) -> dict[tuple[int, int], jax.Array]:
+    """This process's buffers of ``x`` by ``(device id, address)``: what tells two
+    arrays that share a buffer (one handed over to the other unchanged). Buffers of
+    several devices may have one address (on CPU, zero-copy views of one host array),
+    hence the device; two buffers of one device at one address are taken for one
+    (the worst that does is leave one of them unfreed)."""
+    return {(d, b.unsafe_buffer_pointer()): b for d, b in device_buffers(x).items()}
+
+
 def empty_as(buf: jax.Array, shape: tuple[int, ...], memory_kind: str | None = None) -> jax.Array:
     """``buf`` as a ``shape``-shaped shard (in ``memory_kind``, if given) where it has
     no elements: XLA may give every device the whole of an empty array ((4, 0) where

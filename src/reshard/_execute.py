@@ -127,18 +127,20 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
         donated: dict[int, tuple[jax.Array, jax.Array]] = {}
-        kept: set[int] = set()  # buffers an output took over unchanged
+        kept: set[tuple[int, int]] = set()  # buffers an output took over unchanged
         for (i, _leaf), src, lp in zip(planned, sources, plan.leaf_plans, strict=True):
             donated.setdefault(id(values[i]), (values[i], src))
             if may_alias is not False and lp.reused:
                 bufs = _compat.device_buffers(src)  # this process's devices only
                 for _, si in lp.reused:
-                    buf = bufs.get(lp.spec.src[si].device)
-                    if buf is not None:
-                        kept.add(buf.unsafe_buffer_pointer())
+                    dev = lp.spec.src[si].device
+                    if dev in bufs:
+                        kept.add((dev, bufs[dev].unsafe_buffer_pointer()))
+        for i in given:  # copied, not kept: their buffers are all freed
+            v = values[i]
+            is_key = jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+            donated.setdefault(id(v), (v, jax.random.key_data(v) if is_key else v))
         _donate(list(donated.values()), kept)
-        for x in {id(values[i]): values[i] for i in given}.values():
-            x.delete()
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -174,20 +176,17 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
     return whole
 
 
-def _donate(arrays: Sequence[tuple[jax.Array, jax.Array]], kept: set[int]) -> None:
+def _donate(arrays: Sequence[tuple[jax.Array, jax.Array]], kept: set[tuple[int, int]]) -> None:
     """Frees the buffers of ``(array, its data)`` pairs, except those in ``kept`` (by
-    ``unsafe_buffer_pointer``: handed over to an output unchanged), each buffer once.
+    ``_compat.buffer_keys``: handed over to an output unchanged), each buffer once.
 
     One buffer may belong to several of the arrays (one array at two leaves, or two
     arrays sharing buffers, as an earlier reshard's output and its input do), so every
     buffer is found before any is freed. An array none of whose buffers is kept, and
     none freed through another, is deleted as a whole (it then reads as deleted).
     """
-    found = [
-        (x, [(b, b.unsafe_buffer_pointer()) for b in _compat.device_buffers(data).values()])
-        for x, data in arrays
-    ]
-    freed: set[int] = set()
+    found = [(x, [(b, k) for k, b in _compat.buffer_keys(data).items()]) for x, data in arrays]
+    freed: set[tuple[int, int]] = set()
     for x, bufs in found:
         free = [(b, p) for b, p in bufs if p not in kept and p not in freed]
         if len(free) == len(bufs):

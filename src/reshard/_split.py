@@ -21,7 +21,8 @@ the numpy array it was ``device_put`` from, is copied by that identity instead: 
 correct, just not free.) The parts are first built from the untouched inputs, so any
 failure happens before an input is invalidated. Arrays in unpinned host memory are not
 consumed: XLA runs nothing on them (the donating call aborts the process, jax 0.10 on
-CPU), so they stay valid and the result aliases them, as without donation.
+CPU), so they stay valid and the result aliases them, as without donation. Nor are
+different input arrays that share a buffer (see ``_consume``).
 """
 
 from __future__ import annotations
@@ -190,10 +191,16 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     deleted, has lost them: the fresh array (donated buffers and copies) replaces it,
     and the input is deleted. Arrays in unpinned host memory are returned as they are:
     XLA runs nothing on them (on CPU, jax 0.10, the donating call aborts the process).
+    So are different arrays that share a buffer here (parts of one array at two
+    leaves, an array and what was handed its buffers): donating both would donate
+    that buffer twice (XLA refuses, or crashes), and donating one would leave the
+    other on a freed buffer.
     """
     unique = [
         a for a in {id(a): a for a in arrays}.values() if a.sharding.memory_kind != "unpinned_host"
     ]
+    holders = collections.Counter(k for a in unique for k in _compat.buffer_keys(a))
+    unique = [a for a in unique if all(holders[k] == 1 for k in _compat.buffer_keys(a))]
     if not unique:
         return list(arrays)
     swap = {}
@@ -298,8 +305,9 @@ def split_by_mesh_axis(
         or a sequence of strictly increasing interior boundaries in ``(0, size)``:
         ``[2, 3]`` on an axis of size 4 gives parts ``[0:2]``, ``[2:3]``, ``[3:4]``.
       donate: consume the inputs: they are marked deleted once the parts are built
-        (not those in unpinned host memory, which stay valid). Either way no buffer
-        is copied; by default the parts alias the inputs.
+        (not those in unpinned host memory, nor different inputs that share a buffer:
+        those stay valid). Either way no buffer is copied; by default the parts alias
+        the inputs.
 
     Returns:
       A list with one pytree per part, each of the structure of ``arrays``.
@@ -447,8 +455,8 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
     dimension that names the axis; an array replicated along it keeps its shape (its
     parts are assumed equal, as a replicated array's are; nothing is compared). No data
     crosses devices and nothing is copied. The inputs are donated: they are marked
-    deleted once the result is built (not those in unpinned host memory, which stay
-    valid and which the result aliases).
+    deleted once the result is built (not those in unpinned host memory, nor different
+    inputs that share a buffer: those stay valid, and the result aliases them).
 
     Args:
       array_trees: pytrees of one structure; each holds ``jax.Array``s (or
