@@ -194,7 +194,10 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     So are different arrays that share a buffer here (parts of one array at two
     leaves, an array and what was handed its buffers): donating both would donate
     that buffer twice (XLA refuses, or crashes), and donating one would leave the
-    other on a freed buffer.
+    other on a freed buffer. Sharing is seen in this process's buffers only, by
+    (device, address): two arrays made zero-copy from one host array count as
+    sharing (left undonated, harmlessly), and across processes one that holds none
+    of such inputs' devices consumes them while the others keep them valid.
     """
     unique = [
         a for a in {id(a): a for a in arrays}.values() if a.sharding.memory_kind != "unpinned_host"
