@@ -131,11 +131,9 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         for (i, _leaf), src, lp in zip(planned, sources, plan.leaf_plans, strict=True):
             donated.setdefault(id(values[i]), (values[i], src))
             if may_alias is not False and lp.reused:
-                bufs = _compat.device_buffers(src)  # this process's devices only
-                for _, si in lp.reused:
-                    dev = lp.spec.src[si].device
-                    if dev in bufs:
-                        kept.add((dev, bufs[dev].unsafe_buffer_pointer()))
+                devices = {lp.spec.src[si].device for _, si in lp.reused}
+                # This process's buffers only: the others' kept shards are theirs.
+                kept.update(k for k in _compat.buffer_keys(src) if k[0] in devices)
         for i in given:  # copied, not kept: their buffers are all freed
             v = values[i]
             is_key = jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)

@@ -199,21 +199,26 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     sharing (left undonated, harmlessly), and across processes one that holds none
     of such inputs' devices consumes them while the others keep them valid.
     """
-    unique = [
-        a for a in {id(a): a for a in arrays}.values() if a.sharding.memory_kind != "unpinned_host"
-    ]
-    holders = collections.Counter(k for a in unique for k in _compat.buffer_keys(a))
-    unique = [a for a in unique if all(holders[k] == 1 for k in _compat.buffer_keys(a))]
+    distinct = {id(a): a for a in arrays}
+    keys = {
+        i: _compat.buffer_keys(a)
+        for i, a in distinct.items()
+        if a.sharding.memory_kind != "unpinned_host"
+    }
+    holders = collections.Counter(k for ks in keys.values() for k in ks)
+    shared = {i for i, ks in keys.items() if any(holders[k] > 1 for k in ks)}
+    unique = [a for i, a in distinct.items() if i in keys and i not in shared]
     if not unique:
         return list(arrays)
     swap = {}
     for a, b in zip(unique, _donating_identity(unique), strict=True):
-        shards = [] if a.is_deleted() else a.addressable_shards
-        # Partly donated; or, in a process that holds none of its devices, nothing
-        # here to donate, so JAX leaves it as it was: deleted all the same, as on the
-        # processes that hold its buffers.
-        if not a.is_deleted() and (not shards or any(s.data.is_deleted() for s in shards)):
-            a.delete()
+        if not a.is_deleted():
+            # Partly donated; or, in a process that holds none of its devices, nothing
+            # here to donate, so JAX leaves it as it was: deleted all the same, as on
+            # the processes that hold its buffers.
+            shards = a.addressable_shards
+            if not shards or any(s.data.is_deleted() for s in shards):
+                a.delete()
         swap[id(a)] = b if a.is_deleted() else a
     return [swap.get(id(a), a) for a in arrays]
 
