@@ -120,6 +120,11 @@ def as_bits(a: Any) -> np.ndarray:
     )
 
 
+def pointers(a: jax.Array) -> dict[Any, int]:
+    """Per device, the address of ``a``'s buffer there: equal pointers, same buffer."""
+    return {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+
+
 def place(values: Any, sharding: Any) -> jax.Array:
     """Puts host values (or a key array) on ``sharding`` through a fresh XLA buffer."""
     return jax.jit(lambda v: v, out_shardings=sharding)(values)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import place
+from helpers import place, pointers
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -131,10 +131,6 @@ def test_donating_two_arrays_that_share_buffers(executor):
             np.testing.assert_array_equal(np.asarray(v), truth)
         # Kept: out["x"] holds the buffers both inputs share. Else both are freed.
         assert x.is_deleted() == y.is_deleted() == (not keep)
-
-
-def pointers(a):
-    return {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
 
 
 def test_donating_leaves_that_jax_device_put_moves():

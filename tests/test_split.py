@@ -15,6 +15,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import pointers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
@@ -85,10 +86,6 @@ def assert_array(a, want, sharding):
         assert shard.data.devices() == {shard.device}
         assert_bits(host(shard.data), want[shard.index])
     assert_bits(host(a), want)
-
-
-def pointers(a):
-    return {s.device: s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
 
 
 # --------------------------------------------------------------------------- split rules
