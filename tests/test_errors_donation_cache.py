@@ -199,6 +199,39 @@ def test_avoided_destination_device(tree):
         reshard.reshard(tree, sharding([4, 5]), avoid_devices=[DEVS[4]])
 
 
+def test_avoid_devices_forms(tree):
+    # Devices, ids of either int kind, and None (nothing to avoid) are accepted;
+    # device 7 holds none of the tree, so every form plans the same.
+    for avoid in ([DEVS[7]], [np.int64(7)], (d for d in [7]), None):
+        out = reshard.reshard(tree, sharding([4, 5]), avoid_devices=avoid)
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(tree["w"]))
+
+
+@pytest.mark.parametrize(
+    ("avoid", "error", "message"),
+    [
+        ([99], ValueError, r"device id\(s\) \[99\] that JAX does not have"),
+        ([0, -1], ValueError, r"device id\(s\) \[-1\]"),
+        (["0"], TypeError, "neither a device nor a device id"),
+        ([True], TypeError, "neither a device nor a device id"),
+        (3, TypeError, "must be an iterable of devices or device ids"),
+        ("01", TypeError, "must be an iterable of devices or device ids"),
+        (DEVS[0], TypeError, "must be an iterable of devices or device ids"),
+    ],
+)
+def test_error_bad_avoid_devices(tree, avoid, error, message):
+    with pytest.raises(error, match=message):
+        reshard.reshard(tree, sharding([4, 5]), avoid_devices=avoid, donate=True)
+    assert not tree["w"].is_deleted()
+
+
+def test_error_shape_dtype_struct_without_sharding(tree):
+    sds = {"w": jax.ShapeDtypeStruct((8, 4), np.float32), "b": tree["b"]}
+    for f in (reshard.plan, reshard.reshard):
+        with pytest.raises(ValueError, match=r"leaf \['w'\] is a jax.ShapeDtypeStruct without"):
+            f(sds, sharding([4, 5]))
+
+
 def test_data_loss_is_reported_before_moving(tree):
     with pytest.raises(reshard.DataLossError, match=r"\['w'\]\[2:4, 0:4\]") as e:
         reshard.reshard(tree, sharding([4, 5]), avoid_devices=[1])

@@ -443,6 +443,31 @@ def test_error_empty_tree_without_count():
         split_by_mesh_axis({}, "x")
 
 
+@pytest.mark.parametrize(
+    ("sections", "parts"), [(3, 3), (np.int64(2), 2), ([1, 5], 3), (np.array([2]), 2)]
+)
+def test_empty_tree_gives_the_parts_asked_for(sections, parts):
+    assert split_by_mesh_axis({"a": {}}, "x", sections) == [{"a": {}}] * parts
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        (0, "positive number of parts"),
+        (-2, "positive number of parts"),
+        ([0, 2], "each above 0"),
+        ([3, 3], "strictly increasing"),
+        ([2, 1], "strictly increasing"),
+        ([1.5], "must hold ints"),
+        ("2", "must be None, an int or a sequence"),
+    ],
+)
+def test_error_empty_tree_bad_sections(sections, message):
+    # No axis size to check against, but the form of the sections still is.
+    with pytest.raises(ValueError, match=message):
+        split_by_mesh_axis({}, "x", sections)
+
+
 # --------------------------------------------------------------------------- concatenate
 
 

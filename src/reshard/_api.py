@@ -48,7 +48,7 @@ def reshard(
     may_alias: bool | None = None,
     cache_resharding_plans: bool = False,
     executor: str = "auto",
-    avoid_devices: Iterable[Any] = (),
+    avoid_devices: Iterable[Any] | None = (),
 ) -> Any:
     """Returns a copy of ``x`` committed to ``sharding``, moving as few bytes as possible.
 
@@ -70,7 +70,8 @@ def reshard(
       executor: ``"auto"`` (default), ``"host"`` (CPU only), ``"device"`` or
         ``"collective"``; see ``reshard.plan``.
       avoid_devices: devices (or ids) whose source shards must not be read, e.g. lost
-        devices. Raises ``DataLossError`` when some data has no other copy.
+        devices; each must be one of ``jax.devices()``. Raises ``DataLossError`` when
+        some data has no other copy.
 
     Returns:
       A pytree with the structure of ``x``.
@@ -78,7 +79,9 @@ def reshard(
     Raises:
       ValueError: a sharding that is not a ``Sharding``, a sharding tree that is not a
         prefix of ``x``, a shape the destination cannot divide, a spec longer than the
-        array rank, a deleted or donated input, mixed platforms.
+        array rank, a deleted or donated input, a ``ShapeDtypeStruct`` without a
+        sharding, an ``avoid_devices`` id JAX does not have, mixed platforms.
+      TypeError: ``avoid_devices`` that is not an iterable of devices or ids.
       DataLossError: with ``avoid_devices``, data that no allowed device holds.
 
     Example:
@@ -105,7 +108,7 @@ def plan(
     sharding: Any,
     *,
     executor: str = "auto",
-    avoid_devices: Iterable[Any] = (),
+    avoid_devices: Iterable[Any] | None = (),
     cache: bool = True,
 ) -> Plan:
     """Plans moving ``x`` to ``sharding`` without touching any data.
@@ -135,7 +138,7 @@ def plan(
     """
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    avoid = frozenset(_device_id(d) for d in avoid_devices)
+    avoid = _avoid_ids(avoid_devices)
     paths, values, treedef = _flatten(x)
     dst = _broadcast_shardings(sharding, x, len(values))
     leaves = tuple(_leaf_info(p, v, s) for p, v, s in zip(paths, values, dst, strict=True))
@@ -214,7 +217,12 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
                 "pass live arrays"
             )
         shape, dtype, src = tuple(v.shape), v.dtype, v.sharding
-    elif isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None:
+    elif isinstance(v, jax.ShapeDtypeStruct):
+        if v.sharding is None:
+            raise ValueError(
+                f"leaf {where} is a jax.ShapeDtypeStruct without a sharding, so where its "
+                "data lives is unknown; give it one (ShapeDtypeStruct(..., sharding=...))"
+            )
         shape, dtype, src = tuple(v.shape), v.dtype, v.sharding
     else:
         shape = tuple(np.shape(v))
@@ -277,8 +285,37 @@ def _check_distinct_devices(where: str, dst: Any) -> None:
         )
 
 
-def _device_id(d: Any) -> int:
-    return d if isinstance(d, int) else int(d.id)
+def _avoid_ids(avoid_devices: Iterable[Any] | None) -> frozenset[int]:
+    """Device ids from ``avoid_devices`` (devices or ids), each one a device JAX has."""
+    if avoid_devices is None:
+        return frozenset()
+    if isinstance(avoid_devices, str | bytes | jax.Device) or not isinstance(
+        avoid_devices, Iterable
+    ):
+        raise TypeError(
+            f"avoid_devices must be an iterable of devices or device ids, got {avoid_devices!r}"
+        )
+    ids = []
+    for d in avoid_devices:
+        if isinstance(d, jax.Device):
+            ids.append(int(d.id))
+        elif isinstance(d, int | np.integer) and not isinstance(d, bool):
+            ids.append(int(d))
+        else:
+            raise TypeError(f"avoid_devices holds {d!r}, which is neither a device nor a device id")
+    avoid = frozenset(ids)
+    unknown = avoid - _all_device_ids()
+    if unknown:
+        raise ValueError(
+            f"avoid_devices names device id(s) {sorted(unknown)} that JAX does not have "
+            f"(jax.devices() has {len(_all_device_ids())} devices)"
+        )
+    return avoid
+
+
+@functools.cache
+def _all_device_ids() -> frozenset[int]:
+    return frozenset(d.id for d in jax.devices())
 
 
 # ----------------------------------------------------------------------------------

@@ -145,39 +145,64 @@ def _axis_index(mesh: Mesh, mesh_axis: Any) -> int:
     return mesh.axis_names.index(mesh_axis)
 
 
-def _part_bounds(sections: int | Sequence[int] | None, size: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` positions along the mesh axis for each part, in order."""
-    if sections is None:
-        return [(k, k + 1) for k in range(size)]
+def _sections(sections: int | Sequence[int]) -> int | list[int]:
+    """The part count, or the list of boundaries, after checking their form."""
     if isinstance(sections, int | np.integer) and not isinstance(sections, bool):
-        count = int(sections)
-        if count <= 0 or size % count:
-            raise ValueError(
-                f"mesh_axis_indices_or_sections={count} does not divide the mesh axis of "
-                f"size {size} into equal parts; pass a divisor of {size}, or a sequence "
-                "of boundaries for unequal parts."
-            )
-        step = size // count
-        return [(k * step, (k + 1) * step) for k in range(count)]
+        return int(sections)
     if isinstance(sections, str | bytes) or not isinstance(sections, Sequence | np.ndarray):
         raise ValueError(
             f"mesh_axis_indices_or_sections={sections!r} must be None, an int or a "
             "sequence of ints."
         )
     try:
-        cuts = [operator.index(b) for b in sections]
+        return [operator.index(b) for b in sections]
     except TypeError:
         raise ValueError(
             f"mesh_axis_indices_or_sections={list(sections)!r} must hold ints."
         ) from None
-    if any(not 0 < b < size for b in cuts) or any(a >= b for a, b in itertools.pairwise(cuts)):
+
+
+def _part_bounds(sections: int | Sequence[int] | None, size: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` positions along the mesh axis for each part, in order."""
+    if sections is None:
+        return [(k, k + 1) for k in range(size)]
+    checked = _sections(sections)
+    if isinstance(checked, int):
+        if checked <= 0 or size % checked:
+            raise ValueError(
+                f"mesh_axis_indices_or_sections={checked} does not divide the mesh axis of "
+                f"size {size} into equal parts; pass a divisor of {size}, or a sequence "
+                "of boundaries for unequal parts."
+            )
+        step = size // checked
+        return [(k * step, (k + 1) * step) for k in range(checked)]
+    if any(not 0 < b < size for b in checked) or any(
+        a >= b for a, b in itertools.pairwise(checked)
+    ):
         raise ValueError(
-            f"mesh_axis_indices_or_sections={cuts} must be strictly increasing interior "
+            f"mesh_axis_indices_or_sections={checked} must be strictly increasing interior "
             f"boundaries, each in (0, {size}) for a mesh axis of size {size}, so that no "
             "part is empty."
         )
-    edges = [0, *cuts, size]
+    edges = [0, *checked, size]
     return list(itertools.pairwise(edges))
+
+
+def _part_count_unsized(sections: int | Sequence[int]) -> int:
+    """The number of parts where the axis size is unknown (no leaves): what can be checked."""
+    checked = _sections(sections)
+    if isinstance(checked, int):
+        if checked <= 0:
+            raise ValueError(
+                f"mesh_axis_indices_or_sections={checked} must be a positive number of parts."
+            )
+        return checked
+    if any(b <= 0 for b in checked) or any(a >= b for a, b in itertools.pairwise(checked)):
+        raise ValueError(
+            f"mesh_axis_indices_or_sections={checked} must be strictly increasing interior "
+            "boundaries, each above 0, so that no part is empty."
+        )
+    return len(checked) + 1
 
 
 def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
@@ -344,10 +369,7 @@ def split_by_mesh_axis(
                 "arrays has no leaves, so the size of mesh_axis cannot be read; pass "
                 "mesh_axis_indices_or_sections explicitly."
             )
-        if isinstance(mesh_axis_indices_or_sections, int):
-            count = mesh_axis_indices_or_sections
-        else:
-            count = len(mesh_axis_indices_or_sections) + 1
+        count = _part_count_unsized(mesh_axis_indices_or_sections)
         return [jax.tree_util.tree_unflatten(treedef, []) for _ in range(count)]
 
     mesh = _one_mesh(paths, leaves, "all arrays", " Split each group of arrays separately.")
