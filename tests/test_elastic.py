@@ -375,6 +375,22 @@ def test_recover_onto_a_mesh_reads_only_survivors():
     assert y["w"].sharding == NamedSharding(small, P("fsdp"))
 
 
+@pytest.mark.parametrize("executor", ["auto", "host", "device", "collective", "recover"])
+def test_same_layout_on_spare_devices_reads_only_survivors(executor):
+    # Each shard only changes device here, which the host and device executors copy
+    # device to device in one batched call: that copy must not read the lost one.
+    src = NamedSharding(mesh_of((2, 2), ("r", "s")), P("s"))  # replicas on 0/2 and 1/3
+    dst = NamedSharding(mesh_of((2, 2), ("r", "s"), [4, 5, 6, 7]), P("s"))
+    value = np.arange(8.0, dtype=np.float32)
+    x = make_leaf(value, src, {0})
+    if executor == "recover":
+        y = reshard.recover(x, dst, [0])
+    else:
+        y = reshard.reshard(x, dst, executor=executor, avoid_devices=[0])
+    np.testing.assert_array_equal(np.asarray(y), value)
+    assert y.sharding == dst
+
+
 def test_recover_data_loss_message_and_key_arrays():
     full = mesh_of((2, 4), ("data", "fsdp"))
     small = reshard.shrink_mesh(full, [4, 5], "data")

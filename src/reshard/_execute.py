@@ -145,8 +145,8 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
 def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
     """Indices (among the planned arrays) of those copied shard by shard: every
     destination shard is the source shard at the same position of the other
-    sharding's device list, none of the destination devices holds a source shard, and
-    the memory kind stays. PjRt copies those device to device in one batched call
+    sharding's device list, none of the destination devices holds a source shard, no
+    source device is to be avoided, and the memory kind stays. PjRt copies those device to device in one batched call
     (``_compat.copy_shards``), with less overhead per array than any executor: a tree
     of 512 arrays of 64 KiB moved between two device sets in ~12 ms that way, against
     ~30 ms through the host executor and ~18 ms through ``jax.device_put``."""
@@ -162,9 +162,12 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
             if src is None or leaf.kind == KEY or src.memory_kind != dst.memory_kind:
                 continue  # key arrays: their data's sharding is made per call
             src_devs, dst_devs = _compat.ordered_devices(src), _compat.ordered_devices(dst)
-            if len(src_devs) != len(dst_devs) or {d.id for d in src_devs} & {
-                d.id for d in dst_devs
-            }:
+            src_ids = {d.id for d in src_devs}
+            if (
+                len(src_devs) != len(dst_devs)
+                or src_ids & {d.id for d in dst_devs}
+                or src_ids & plan.avoid_devices  # the copy reads every source shard
+            ):
                 continue
             src_box = {s.device: s.box for s in lp.spec.src}
             dst_box = {s.device: s.box for s in lp.spec.dst}
