@@ -110,3 +110,13 @@ def test_arrays_that_only_change_devices_are_copied_shard_by_shard(private, exec
         seen = whole and (private or case != "other device order")
         assert p._cache[f"copied_whole(private={private})"] == ([0] if seen else [])
         assert tree["a"].is_deleted() == donate and tree["b"].is_deleted() == donate
+
+
+def test_as_weak_shares_buffers_and_marks_weak_where_jax_allows(private):
+    s = NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P("a"))
+    x = place(np.arange(8.0, dtype=np.float32), s)
+    y = _compat.as_weak(x)
+    check_result(y, np.arange(8.0, dtype=np.float32), s)
+    assert set(_compat.buffer_keys(y)) == set(_compat.buffer_keys(x))
+    # Public JAX cannot mark an array weakly typed: the fallback keeps it strong.
+    assert y.weak_type == private

@@ -329,6 +329,35 @@ def test_memory_kind_with_layout_change(executor, src_mk, dst_mk):
     check_result(reshard.reshard(x, dst, executor=executor), truth, dst)
 
 
+@pytest.mark.parametrize("executor", ["auto", "host", "device", "collective"])
+@pytest.mark.parametrize(
+    ("src_ids", "src_spec", "dst_ids", "dst_spec", "dst_mk"),
+    [
+        ([0, 1, 2, 3], P("a"), [4, 5, 6, 7], P("a"), "device"),  # only changes device
+        ([0, 1, 2, 3], P("a"), [4, 5, 6, 7], P(), "device"),  # replicated elsewhere
+        ([0, 1, 2, 3], P("a"), [0, 1, 2, 3], P(), "device"),  # kept shards, gathered
+        ([0, 1, 2, 3], P("a"), [3, 2, 1, 0], P("a"), "pinned_host"),  # memory kind
+    ],
+    ids=["same-layout", "replicate", "in-place", "pinned"],
+)
+def test_weak_type_is_kept_like_device_put(executor, src_ids, src_spec, dst_ids, dst_spec, dst_mk):
+    # jnp.full with a Python scalar is weakly typed: it must not promote a bfloat16
+    # it meets after the move, as it does not after jax.device_put.
+    x = place(jax.numpy.full((8,), 2.0), NamedSharding(mesh1(src_ids), src_spec))
+    assert x.weak_type
+    dst = NamedSharding(mesh1(dst_ids), dst_spec, memory_kind=dst_mk)
+    y = reshard.reshard(x, dst, executor=executor)
+    assert y.weak_type
+    if dst_mk == "device":  # (jax.device_put itself fails to relay into pinned_host)
+        assert jax.device_put(x, dst).weak_type
+    check_result(y, np.full((8,), 2.0, np.float32), dst)
+    assert jax.numpy.result_type(y, jax.numpy.bfloat16) == jax.numpy.bfloat16
+    # A strongly typed array stays strong.
+    z = reshard.reshard(place(np.full((8,), 2.0, np.float32), x.sharding), dst, executor=executor)
+    assert not z.weak_type
+    assert jax.numpy.result_type(z, jax.numpy.bfloat16) == jax.numpy.float32
+
+
 def test_plan_from_shape_dtype_structs_matches_arrays():
     src = NamedSharding(mesh1([0, 1, 2, 3]), P("a"))
     dst = NamedSharding(mesh1([2, 3, 4, 5]), P(None, "a"))

@@ -438,6 +438,23 @@ def test_error_deleted_input(mesh24):
         split_by_mesh_axis(x, "fsdp")
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_weak_type_survives_split_and_join(mesh24, donate):
+    # jnp.full with a Python scalar is weakly typed; jax.device_put keeps that, and
+    # so do the parts and the joined array (bfloat16 times them stays bfloat16).
+    x = jax.device_put(jax.numpy.full((8, 4), 2.0), NamedSharding(mesh24, P("stage")))
+    strong = put(np.full((8, 4), 2.0, np.float32), mesh24, P("stage"))
+    parts = split_by_mesh_axis([x, strong], "stage", donate=donate)
+    assert [[a.weak_type for a in part] for part in parts] == [[True, False]] * 2
+    joined = concatenate_by_mesh_axis(parts, "stage")
+    assert [a.weak_type for a in joined] == [True, False]
+    assert jax.numpy.result_type(joined[0], jax.numpy.bfloat16) == jax.numpy.bfloat16
+    for a in joined:
+        np.testing.assert_array_equal(np.asarray(a), np.full((8, 4), 2.0, np.float32))
+    sds = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=x.sharding, weak_type=True)
+    assert all(part.weak_type for part in split_by_mesh_axis(sds, "stage"))
+
+
 def test_error_empty_tree_without_count():
     with pytest.raises(ValueError, match="no leaves.*pass mesh_axis_indices_or_sections"):
         split_by_mesh_axis({}, "x")

@@ -121,7 +121,9 @@ def plan(
       executor: ``"auto"`` picks ``"collective"`` when JAX runs several processes,
         ``"host"`` when every device is a CPU, else ``"device"``.
       avoid_devices: devices (or device ids) never to read from.
-      cache: look the plan up in / store it into the bounded plan cache.
+      cache: look the plan up in / store it into the bounded plan cache. A pytree
+        whose node metadata has no plain ``==`` (a numpy array, say) is planned
+        afresh on every call instead, as its tree cannot be compared with a cached one.
 
     Returns:
       A ``Plan``: ``print(plan)`` summarises it, ``plan.stats`` has the numbers,
@@ -144,17 +146,25 @@ def plan(
     leaves = tuple(_leaf_info(p, v, s) for p, v, s in zip(paths, values, dst, strict=True))
     key = (treedef, leaves, executor, avoid)
     if cache:
-        with _cache_lock:
-            hit = _cache.get(key)
-            if hit is not None:
-                _cache.move_to_end(key)
-                return hit
+        try:
+            with _cache_lock:
+                hit = _cache.get(key)
+                if hit is not None:
+                    _cache.move_to_end(key)
+                    return hit
+        except (ValueError, TypeError):
+            # Pytree node metadata without plain equality (a numpy array, say) cannot
+            # be compared with a cached tree's: plan this call without the cache.
+            cache = False
     result = _build_plan(treedef, leaves, executor, avoid)
     if cache:
-        with _cache_lock:
-            _cache[key] = result
-            while len(_cache) > PLAN_CACHE_SIZE:
-                _cache.popitem(last=False)
+        try:
+            with _cache_lock:
+                _cache[key] = result
+                while len(_cache) > PLAN_CACHE_SIZE:
+                    _cache.popitem(last=False)
+        except (ValueError, TypeError):
+            pass  # as above: the plan is still good, only not cached
     return result
 
 

@@ -26,6 +26,12 @@ except Exception:  # pragma: no cover
     _batched_device_put = None
     _ShapedArray = None
 try:  # pragma: no cover - exercised on whichever JAX is installed
+    from jax._src import array as _array
+
+    _ArrayImpl: Any = _array.ArrayImpl
+except Exception:  # pragma: no cover
+    _ArrayImpl = None
+try:  # pragma: no cover - exercised on whichever JAX is installed
     from jax._src.lib import xla_client as _xc
 
     _batched_copy: Any = _xc.batched_copy_array_to_devices_with_sharding
@@ -119,6 +125,28 @@ def assemble(
             pass
     out = place_host_buffers(buffers, devices, sharding.memory_kind)
     return jax.make_array_from_single_device_arrays(shape, sharding, out)
+
+
+def as_weak(x: jax.Array) -> jax.Array:
+    """``x`` weakly typed, over the same buffers (no copy), as ``jax.device_put`` keeps
+    a weakly typed input (``jnp.full(shape, 2.0)``, ``jnp.asarray(1.0)``): such an
+    array does not promote what it meets (bfloat16 times it stays bfloat16).
+
+    The one fallback that changes a result: JAX has no public way to mark an array
+    weakly typed, so without the internal ``x`` comes back as it is (strongly typed).
+    """
+    if x.weak_type or not USE_PRIVATE or _ArrayImpl is None:
+        return x
+    try:
+        return _ArrayImpl(  # type: ignore[no-any-return]
+            x.aval.update(weak_type=True),
+            x.sharding,
+            x._arrays,  # type: ignore[attr-defined]
+            committed=True,
+            _skip_checks=True,
+        )
+    except Exception:  # pragma: no cover - keep the strongly typed array
+        return x
 
 
 def copy_shards(xs: Sequence[jax.Array], shardings: Sequence[Sharding]) -> list[jax.Array]:

@@ -291,7 +291,9 @@ def _assemble(
 ) -> Leaf:
     """A leaf like ``template`` of ``shape``/``sharding`` from existing per-device shards."""
     if isinstance(template, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(shape, template.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(
+            shape, template.dtype, sharding=sharding, weak_type=template.weak_type
+        )
     # In mesh order: key arrays (unlike plain ones) are not re-sorted by JAX and must
     # arrive in the sharding's device-assignment order, which for a NamedSharding is
     # the mesh's.
@@ -301,7 +303,8 @@ def _assemble(
         block = sharding.shard_shape(shape)
         shards = [_compat.empty_as(s, block, sharding.memory_kind) for s in shards]
     # dtype= lets a process that holds none of the devices still build its handle.
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=template.dtype)
+    out = jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=template.dtype)
+    return _compat.as_weak(out) if template.weak_type else out
 
 
 def _shards_by_device(leaf: Leaf) -> dict[jax.Device, jax.Array]:
