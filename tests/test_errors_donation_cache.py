@@ -338,3 +338,29 @@ def test_plan_cache_is_bounded(monkeypatch):
             jax.ShapeDtypeStruct((2 * (n + 1),), np.float32, sharding=src), sharding([2, 3])
         )
     assert _api.plan_cache_size() == 3
+
+
+class Layer:
+    """A pytree node whose metadata is a numpy array (``==`` gives an array)."""
+
+    def __init__(self, w, perm):
+        self.w, self.perm = w, perm
+
+
+jax.tree_util.register_pytree_node(
+    Layer, lambda n: ((n.w,), n.perm), lambda perm, children: Layer(children[0], perm)
+)
+
+
+def test_tree_with_array_metadata_is_planned_without_the_cache(tree):
+    # The same tree rebuilt (as each training step does) cannot be compared with the
+    # cached one; it must still be planned and moved, as with the cache off.
+    reshard.clear_plan_cache()
+    dst = sharding([4, 5])
+    for _ in range(3):
+        layer = Layer(tree["w"], np.array([1, 0]))
+        assert isinstance(reshard.plan(layer, dst), reshard.Plan)
+        out = reshard.reshard(layer, dst, cache_resharding_plans=True)
+        np.testing.assert_array_equal(np.asarray(out.w), np.arange(32.0).reshape(8, 4))
+        np.testing.assert_array_equal(out.perm, [1, 0])
+        assert out.w.sharding == dst
