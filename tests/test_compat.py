@@ -112,11 +112,16 @@ def test_arrays_that_only_change_devices_are_copied_shard_by_shard(private, exec
         assert tree["a"].is_deleted() == donate and tree["b"].is_deleted() == donate
 
 
-def test_as_weak_shares_buffers_and_marks_weak_where_jax_allows(private):
-    s = NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P("a"))
+def test_finish_shares_buffers_and_sets_the_aval_where_jax_allows(private):
+    s = NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P("a"), memory_kind="pinned_host")
     x = place(np.arange(8.0, dtype=np.float32), s)
-    y = _compat.as_weak(x)
-    check_result(y, np.arange(8.0, dtype=np.float32), s)
-    assert set(_compat.buffer_keys(y)) == set(_compat.buffer_keys(x))
-    # Public JAX cannot mark an array weakly typed: the fallback keeps it strong.
-    assert y.weak_type == private
+    aval = _compat.device_put_aval((8,), np.dtype(np.float32), s, True)
+    for fresh in (False, True):  # (fresh=True may change x itself)
+        y = _compat.finish(x, aval, fresh=fresh)
+        check_result(y, np.arange(8.0, dtype=np.float32), s)
+        assert set(_compat.buffer_keys(y)) == set(_compat.buffer_keys(x))
+        # Public JAX cannot mark an array weakly typed: the fallback keeps it strong.
+        assert y.weak_type == private
+        if private:
+            assert y.aval == jax.device_put(jax.numpy.full((8,), 2.0), s).aval
+            assert (y is x) == fresh

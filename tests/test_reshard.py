@@ -358,6 +358,30 @@ def test_weak_type_is_kept_like_device_put(executor, src_ids, src_spec, dst_ids,
     assert jax.numpy.result_type(z, jax.numpy.bfloat16) == jax.numpy.float32
 
 
+@pytest.mark.parametrize("executor", ["auto", "host", "device", "collective"])
+def test_output_is_what_device_put_returns(executor):
+    # Committed, with device_put's abstract value (its mesh and memory space): jax.jit
+    # reads those to place what it makes from the output.
+    committed = place(np.arange(8, dtype=np.int32), NamedSharding(mesh1([0, 1, 2, 3]), P("a")))
+    uncommitted = jax.numpy.arange(8, dtype=np.int32)  # on device 0, not committed
+    dsts = [
+        SingleDeviceSharding(DEVS[2]),
+        SingleDeviceSharding(DEVS[1], memory_kind="pinned_host"),
+        NamedSharding(mesh1([4, 5, 6, 7], "b"), P("b"), memory_kind="pinned_host"),
+        NamedSharding(mesh1([6, 7], "b"), P()),
+    ]
+    for x in (committed, uncommitted):
+        for dst in dsts:
+            want = jax.device_put(x, dst)
+            y = reshard.reshard(x, dst, executor=executor)
+            check_result(y, np.arange(8, dtype=np.int32), dst)
+            assert y.committed and y.aval == want.aval and jax.typeof(y) == jax.typeof(want)
+            doubled = jax.jit(lambda a: a * 2)(y)
+            assert doubled.sharding.memory_kind == dst.memory_kind
+            assert doubled.sharding.device_set == dst.device_set
+    assert not uncommitted.committed and not uncommitted.is_deleted()
+
+
 def test_plan_from_shape_dtype_structs_matches_arrays():
     src = NamedSharding(mesh1([0, 1, 2, 3]), P("a"))
     dst = NamedSharding(mesh1([2, 3, 4, 5]), P(None, "a"))

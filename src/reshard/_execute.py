@@ -32,7 +32,7 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             "build a new plan with reshard.plan(x, sharding)"
         )
     values = [v for _, v in with_path]
-    weak = set()  # weakly typed arrays (jax.device_put keeps that; so do we)
+    weak = set()  # weakly typed arrays (jax.device_put keeps that; so does finish)
     for i, (leaf, v) in enumerate(zip(plan.leaves, values, strict=True)):
         if leaf.kind == HOST:
             continue
@@ -46,7 +46,7 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
                 f"leaf {where}: the plan was built for {leaf.dtype}{list(leaf.shape)} on "
                 f"{leaf.src_sharding}, got {v.dtype}{list(v.shape)} on {v.sharding}"
             )
-        if v.weak_type:
+        if leaf.kind != KEY and v.weak_type:  # (key arrays have no weak type)
             weak.add(i)
     if jax.process_count() > 1 and plan.executor != "collective":
         raise ValueError(
@@ -112,8 +112,9 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             # The key array's sharding follows the data's; JAX may spell its spec
             # differently (P(None,) for P()), as jax.device_put itself does.
             arr = jax.random.wrap_key_data(arr, impl=jax.random.key_impl(values[i]))
-        elif i in weak:
-            arr = _compat.as_weak(arr)
+        else:
+            aval = _compat.device_put_aval(leaf.shape, leaf.dtype, leaf.dst_sharding, i in weak)
+            arr = _compat.finish(arr, aval, fresh=arr is not values[i])
         out[i] = arr
     host = [i for i, leaf in enumerate(plan.leaves) if leaf.kind == HOST]
     # jax.Arrays among them (key arrays on shardings that are neither named nor

@@ -292,7 +292,10 @@ def _assemble(
     """A leaf like ``template`` of ``shape``/``sharding`` from existing per-device shards."""
     if isinstance(template, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(
-            shape, template.dtype, sharding=sharding, weak_type=template.weak_type
+            shape,
+            template.dtype,
+            sharding=sharding,
+            weak_type=getattr(template, "weak_type", False),
         )
     # In mesh order: key arrays (unlike plain ones) are not re-sorted by JAX and must
     # arrive in the sharding's device-assignment order, which for a NamedSharding is
@@ -304,7 +307,10 @@ def _assemble(
         shards = [_compat.empty_as(s, block, sharding.memory_kind) for s in shards]
     # dtype= lets a process that holds none of the devices still build its handle.
     out = jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=template.dtype)
-    return _compat.as_weak(out) if template.weak_type else out
+    if jax.dtypes.issubdtype(template.dtype, jax.dtypes.prng_key):
+        return out  # (key arrays have no weak type, and JAX makes their avals)
+    aval = _compat.device_put_aval(shape, template.dtype, sharding, template.weak_type)
+    return _compat.finish(out, aval, fresh=True)
 
 
 def _shards_by_device(leaf: Leaf) -> dict[jax.Device, jax.Array]:
