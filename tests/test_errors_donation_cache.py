@@ -199,6 +199,16 @@ def test_avoided_destination_device(tree):
         reshard.reshard(tree, sharding([4, 5]), avoid_devices=[DEVS[4]])
 
 
+def test_a_device_stands_for_its_single_device_sharding(tree):
+    out = reshard.reshard(tree, {"w": DEVS[6], "b": sharding([4, 5])})
+    assert out["w"].sharding == SingleDeviceSharding(DEVS[6])
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(32.0).reshape(8, 4))
+    assert out["b"].sharding == sharding([4, 5])
+    assert (
+        reshard.reshard(tree["b"], DEVS[7]).sharding == jax.device_put(tree["b"], DEVS[7]).sharding
+    )
+
+
 def test_avoid_devices_forms(tree):
     # Devices, ids of either int kind, and None (nothing to avoid) are accepted;
     # device 7 holds none of the tree, so every form plans the same.

@@ -59,7 +59,8 @@ def reshard(
         arrays included) are moved by a plan; any other leaf is placed with
         ``jax.device_put``.
       sharding: a ``jax.sharding.Sharding`` or a pytree of them that is a tree prefix
-        of ``x`` (one sharding then covers a whole subtree).
+        of ``x`` (one sharding then covers a whole subtree); a ``jax.Device`` stands
+        for its ``SingleDeviceSharding``, as in ``jax.device_put``.
       donate: free the sources once the whole pytree has been moved. A failure
         frees nothing.
       may_alias: ``False`` copies even shards that do not change; ``None``/``True``
@@ -117,7 +118,8 @@ def plan(
       x: a pytree of ``jax.Array``s and/or ``jax.ShapeDtypeStruct``s that carry a
         ``.sharding`` (other leaves are allowed and will go through
         ``jax.device_put``).
-      sharding: a ``Sharding`` or a pytree of them that is a tree prefix of ``x``.
+      sharding: a ``Sharding`` (or ``jax.Device``) or a pytree of them that is a tree
+        prefix of ``x``.
       executor: ``"auto"`` picks ``"collective"`` when JAX runs several processes,
         ``"host"`` when every device is a CPU, else ``"device"``.
       avoid_devices: devices (or device ids) never to read from.
@@ -186,8 +188,12 @@ def _flatten(x: Any) -> tuple[list[str], list[Any], Any]:
 def _broadcast_shardings(sharding: Any, x: Any, n: int) -> list[Any]:
     """One destination sharding per leaf of ``x``, from a tree prefix of ``x``."""
     s_with_path, s_def = jax.tree_util.tree_flatten_with_path(
-        sharding, is_leaf=lambda s: isinstance(s, Sharding) or s is None
+        sharding, is_leaf=lambda s: isinstance(s, Sharding | jax.Device) or s is None
     )
+    # A device stands for its SingleDeviceSharding, as in jax.device_put.
+    s_with_path = [
+        (p, SingleDeviceSharding(s) if isinstance(s, jax.Device) else s) for p, s in s_with_path
+    ]
     for p, s in s_with_path:
         if not isinstance(s, Sharding):
             hint = (
