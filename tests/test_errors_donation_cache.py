@@ -337,6 +337,39 @@ def test_cached_plans_do_not_recompile():
         jax.monitoring.unregister_event_duration_listener(counter)
 
 
+# (Host packing in one process copies between devices on the host: no programs.)
+@pytest.mark.parametrize("pack_on_host", [None, False], ids=["device", "collective-device"])
+def test_uncached_plans_share_compiled_programs(monkeypatch, pack_on_host):
+    # With cache_resharding_plans=False (the default) each call plans afresh; equal
+    # plans must still share their compiled programs (seconds each on the device
+    # paths), so only the first call compiles.
+    from reshard import _collective_executor
+
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    executor = "device" if pack_on_host is None else "collective"
+    src = sharding([0, 1, 2, 3])
+    dst = NamedSharding(Mesh(np.array(DEVS[4:8]).reshape(2, 2), ("x", "y")), P("y", "x"))
+    truth = np.arange(64.0).reshape(8, 8)
+    xs = [place(truth, src) for _ in range(4)]  # new arrays each step, as in training
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        reshard.clear_plan_cache()
+        for step, x in enumerate(xs[:3]):
+            y = reshard.reshard(x, dst, executor=executor)
+            np.testing.assert_array_equal(np.asarray(y), truth)
+            assert y.sharding == dst
+            if step == 0:
+                first = counter.count
+                assert first > 0
+        assert counter.count == first
+        reshard.clear_plan_cache()  # forgets the programs too
+        reshard.reshard(xs[3], dst, executor=executor)
+        assert counter.count > first
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+
+
 def test_plan_cache_is_bounded(monkeypatch):
     from reshard import _api
 

@@ -285,6 +285,11 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         compiled = dict(program._compiled)
         check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
         assert program._compiled == compiled  # same executables, nothing recompiled
+        # A plan built afresh (cache off, the default) gets the same executables.
+        fresh = reshard.plan(x, dst, cache=False)
+        assert fresh is not p
+        check(fresh.execute(x), a, dst)
+        assert only_program(fresh)._compiled == compiled
 
     def donation_frees_sources_after_success() -> None:
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))

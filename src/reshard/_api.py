@@ -31,9 +31,14 @@ _cache_lock = threading.Lock()
 
 
 def clear_plan_cache() -> None:
-    """Forgets every cached plan (and the compiled programs they hold)."""
+    """Forgets every cached plan, and every compiled program (which equal plans share,
+    cached or not)."""
+    from . import _collective_executor, _local_executor
+
     with _cache_lock:
         _cache.clear()
+    _collective_executor.clear_programs()
+    _local_executor.clear_programs()
 
 
 def plan_cache_size() -> int:
@@ -65,9 +70,10 @@ def reshard(
         frees nothing.
       may_alias: ``False`` copies even shards that do not change; ``None``/``True``
         hand unchanged shards over without a copy (as ``jax.device_put`` does).
-      cache_resharding_plans: keep the plan (and its compiled programs, if any) in a
-        bounded LRU cache keyed by avals, shardings and options, so repeated calls
-        neither re-plan nor recompile.
+      cache_resharding_plans: keep the plan in a bounded LRU cache keyed by avals,
+        shardings and options, so repeated calls do not plan again. Compiled
+        programs are shared by equal plans either way (bounded too), so calls do not
+        compile again even without it.
       executor: ``"auto"`` (default), ``"host"`` (CPU only), ``"device"`` or
         ``"collective"``; see ``reshard.plan``.
       avoid_devices: devices (or ids) whose source shards must not be read, e.g. lost

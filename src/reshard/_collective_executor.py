@@ -32,7 +32,8 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -62,6 +63,36 @@ PACK_ON_HOST: bool | None = None
 # the exit status it then exits with.
 ENV_TIMEOUT_S = "RESHARD_COLLECTIVE_TIMEOUT_S"
 TIMEOUT_EXIT_CODE = 75
+
+
+# Compiled programs by what they do (``CollectiveProgram.program_key``), shared by
+# every plan: a plan rebuilt for each call (``cache_resharding_plans=False``, the
+# default) would otherwise compile its programs again each time (seconds for the
+# device-packed path). Bounded, least recently used first out.
+PROGRAM_CACHE_SIZE = 256
+_programs: OrderedDict[Any, Any] = OrderedDict()
+_programs_lock = threading.Lock()
+
+
+def _shared_program(key: Any, build: Callable[[], Any]) -> Any:
+    """The compiled program for ``key`` from the shared cache, else ``build()``'s."""
+    with _programs_lock:
+        fn = _programs.get(key)
+        if fn is not None:
+            _programs.move_to_end(key)
+            return fn
+    fn = build()
+    with _programs_lock:
+        _programs[key] = fn
+        while len(_programs) > PROGRAM_CACHE_SIZE:
+            _programs.popitem(last=False)
+    return fn
+
+
+def clear_programs() -> None:
+    """Empties the shared cache of compiled programs."""
+    with _programs_lock:
+        _programs.clear()
 
 
 def collective_timeout_s() -> float:
@@ -236,12 +267,53 @@ class CollectiveProgram:
             return len(self.host.chunks)
         return sum(len(rd.groups) for rounds in self.rounds for rd in rounds if rd.perm)
 
+    def program_key(self, stage: int) -> Any:
+        """What the program of ``stage`` does, as a hashable value: equal keys compile
+        to the same program (the shared cache's key)."""
+        ids = tuple(d.id for d in self.devices)
+        if self.host_packed:
+            chunks = [self.host.chunks[ci] for ci in self.host.stages[stage]]
+            last = stage == self.status_stage
+            return ("host", ids, tuple((ch.nbytes, ch.perm) for ch in chunks), last)
+        group = self.groups[stage]
+        rounds = tuple(
+            (
+                rd.perm,
+                tuple(
+                    tuple(
+                        (
+                            sl.leaf,
+                            sl.shape,
+                            sl.send_start.tobytes(),
+                            sl.recv_start.tobytes(),
+                            None if sl.recv_mask is None else sl.recv_mask.tobytes(),
+                        )
+                        for sl in slots
+                    )
+                    for slots in rd.groups
+                ),
+            )
+            for rd in self.rounds[stage]
+        )
+        return (
+            "device",
+            ids,
+            tuple(self.leaves[li] for li in group),
+            tuple((self.in_shapes[li], str(self.in_dtypes[li])) for li in group),
+            rounds,
+        )
+
     def compiled(self, stage: int = 0) -> Any:
         """The compiled program of one stage (host-packed) or group of arrays
-        (device-packed), built once, then reused."""
+        (device-packed), built once, then reused (across equal programs too)."""
         fn = self._compiled.get(stage)
-        if fn is not None:
-            return fn
+        if fn is None:
+            fn = self._compiled[stage] = _shared_program(
+                self.program_key(stage), lambda: self._compile(stage)
+            )
+        return fn
+
+    def _compile(self, stage: int) -> Any:
         n = len(self.devices)
         if self.host_packed:
             chunks = [self.host.chunks[ci] for ci in self.host.stages[stage]]
@@ -290,8 +362,7 @@ class CollectiveProgram:
             jax.ShapeDtypeStruct(s, d, sharding=self.block_sharding)
             for s, d in zip(shapes, dtypes, strict=True)
         ]
-        fn = self._compiled[stage] = program.lower(*avals).compile()
-        return fn
+        return program.lower(*avals).compile()
 
     def exchange_status(self, failed: bool) -> list[int]:
         """Tells every process of the union mesh whether this one failed, and returns
@@ -299,20 +370,25 @@ class CollectiveProgram:
         Every process with a device in the union mesh must call it (the device-packed
         path does, before its program)."""
         if self._status_fn is None:
-            program = jax.jit(
-                jax.shard_map(
-                    lambda x: lax.psum(x, AXIS),
-                    mesh=self.mesh,
-                    in_specs=PartitionSpec(AXIS),
-                    out_specs=PartitionSpec(AXIS),
+
+            def compile_status() -> Any:
+                program = jax.jit(
+                    jax.shard_map(
+                        lambda x: lax.psum(x, AXIS),
+                        mesh=self.mesh,
+                        in_specs=PartitionSpec(AXIS),
+                        out_specs=PartitionSpec(AXIS),
+                    )
                 )
-            )
-            aval = jax.ShapeDtypeStruct(
-                (len(self.devices) * jax.process_count(),),
-                np.dtype(np.int32),
-                sharding=self.block_sharding,
-            )
-            self._status_fn = program.lower(aval).compile()
+                aval = jax.ShapeDtypeStruct(
+                    (len(self.devices) * jax.process_count(),),
+                    np.dtype(np.int32),
+                    sharding=self.block_sharding,
+                )
+                return program.lower(aval).compile()
+
+            key = ("status", tuple(d.id for d in self.devices))
+            self._status_fn = _shared_program(key, compile_status)
         return failed_processes(self._status_fn(status_input(self, failed)))
 
     def placeholders(self, device: Any, leaves: Sequence[int]) -> list[jax.Array]:
@@ -320,12 +396,14 @@ class CollectiveProgram:
         cache_key = (device.id, tuple(leaves))
         fn = self._placeholder_fns.get(cache_key)
         if fn is None:
-            shapes = [(self.leaves[i].src_block, self.in_dtypes[i]) for i in leaves]
-            fn = jax.jit(
-                lambda: tuple(jnp.zeros(s, d) for s, d in shapes),
-                out_shardings=tuple(SingleDeviceSharding(device) for _ in shapes),
+            shapes = tuple((self.leaves[i].src_block, self.in_dtypes[i]) for i in leaves)
+            fn = self._placeholder_fns[cache_key] = _shared_program(
+                ("zeros", device.id, tuple((s, str(d)) for s, d in shapes)),
+                lambda: jax.jit(
+                    lambda: tuple(jnp.zeros(s, d) for s, d in shapes),
+                    out_shardings=tuple(SingleDeviceSharding(device) for _ in shapes),
+                ),
             )
-            self._placeholder_fns[cache_key] = fn
         return list(fn())
 
 

@@ -248,7 +248,8 @@ class _Send:
 
 
 class DeviceProgram:
-    """The compiled-program form of a plan, built once and cached with the plan."""
+    """The compiled-program form of a plan, built once and cached with the plan (the
+    compiled programs themselves are cached by JAX, by what they do)."""
 
     def __init__(self, jobs: Sequence[LeafJob]) -> None:
         self.jobs = list(jobs)
@@ -283,51 +284,80 @@ class DeviceProgram:
                 if di not in job.reused:
                     self.piece_inputs[(li, di)] = inputs[di]
                     self.builds[d.device].append((li, di))
-        self._cut_fns: dict[int, Callable[..., Any]] = {}
-        self._build_fns: dict[int, Callable[..., Any]] = {}
+        # Per device, what its cut and build programs do, as jax.jit static
+        # arguments: equal plans (one rebuilt with cache=False, say) reuse the
+        # programs JAX compiled for the first, instead of compiling their own.
+        self.cuts = {
+            dev: _Static(tuple(s.slices for s in sends if s.slices is not None))
+            for dev, sends in self.sends.items()
+        }
+        self.outputs = {dev: self._outputs(targets) for dev, targets in self.builds.items()}
 
-    def cut_fn(self, device: int) -> Callable[..., Any]:
-        fn = self._cut_fns.get(device)
-        if fn is None:
-            sends = [s for s in self.sends[device] if s.slices is not None]
+    def _outputs(self, targets: Sequence[tuple[int, int]]) -> _Static:
+        outs = []
+        for li, di in targets:
+            job = self.jobs[li]
+            inputs = tuple(
+                (kind, ref if kind == "recv" else (li, ref), tuple((a.start, a.stop) for a in sl))
+                for kind, ref, sl in self.piece_inputs[(li, di)]
+            )
+            outs.append((box_shape(job.plan.spec.dst[di].box), job.dtype, inputs))
+        return _Static(tuple(outs))
 
-            def cut(*shards: jax.Array) -> tuple[jax.Array, ...]:
-                # Pieces leave as bits (``to_bits``); ``build`` takes them so.
-                return tuple(
-                    to_bits(x)[tuple(slice(a, b) for a, b in s.slices)]  # type: ignore[union-attr]
-                    for x, s in zip(shards, sends, strict=True)
-                )
 
-            fn = self._cut_fns[device] = jax.jit(cut)
-        return fn
+class _Static:
+    """A program's description as a ``jax.jit`` static argument: nested tuples of ints,
+    with the hash computed once (it is looked up on every call)."""
 
-    def build_fn(self, device: int) -> Callable[..., Any]:
-        fn = self._build_fns.get(device)
-        if fn is None:
-            plan = [(li, di, self.piece_inputs[(li, di)]) for li, di in self.builds[device]]
-            jobs = self.jobs
+    __slots__ = ("desc", "_hash")
 
-            def build(
-                recv: dict[int, jax.Array], local: dict[tuple[int, int], jax.Array]
-            ) -> list[jax.Array]:
-                outs = []
-                for li, di, inputs in plan:
-                    spec = jobs[li].plan.spec
-                    shape = box_shape(spec.dst[di].box)
-                    # Assembled as bits: see ``bits_dtype``.
-                    dtype = jobs[li].dtype
-                    out = jnp.zeros(shape, bits_dtype(dtype))
-                    for kind, ref, sl in inputs:
-                        if kind == "recv":
-                            out = out.at[sl].set(to_bits(recv[ref]))
-                        else:
-                            n = len(shape)
-                            out = out.at[sl[n:]].set(to_bits(local[(li, ref)])[sl[:n]])
-                    outs.append(from_bits(out, dtype))
-                return outs
+    def __init__(self, desc: tuple[Any, ...]) -> None:
+        self.desc = desc
+        self._hash = hash(desc)
 
-            fn = self._build_fns[device] = jax.jit(build)
-        return fn
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, _Static) and self._hash == other._hash and self.desc == other.desc
+        )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _cut(cuts: _Static, *shards: jax.Array) -> tuple[jax.Array, ...]:
+    """The pieces that leave one device, cut out of its source shards (as bits:
+    ``to_bits``; ``_build`` takes them so)."""
+    return tuple(
+        to_bits(x)[tuple(slice(a, b) for a, b in cut)]
+        for x, cut in zip(shards, cuts.desc, strict=True)
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _build(
+    outputs: _Static, recv: dict[int, jax.Array], local: dict[tuple[int, int], jax.Array]
+) -> list[jax.Array]:
+    """One device's destination shards from the pieces it received and kept."""
+    outs = []
+    for shape, dtype, inputs in outputs.desc:
+        # Assembled as bits: see ``bits_dtype``.
+        out = jnp.zeros(shape, bits_dtype(dtype))
+        n = len(shape)
+        for kind, ref, bounds in inputs:
+            sl = tuple(slice(a, b) for a, b in bounds)
+            if kind == "recv":
+                out = out.at[sl].set(to_bits(recv[ref]))
+            else:
+                out = out.at[sl[n:]].set(to_bits(local[ref])[sl[:n]])
+        outs.append(from_bits(out, dtype))
+    return outs
+
+
+def clear_programs() -> None:
+    """Drops the device executor's compiled programs (JAX caches them by what they do)."""
+    _cut.clear_cache()  # type: ignore[attr-defined]
+    _build.clear_cache()  # type: ignore[attr-defined]
 
 
 def run_device(
@@ -363,7 +393,7 @@ def run_device(
             for s in sends
             if s.slices is not None
         ]
-        cut = program.cut_fn(dev)(*cut_inputs) if cut_inputs else ()
+        cut = _cut(program.cuts[dev], *cut_inputs) if cut_inputs else ()
         it = iter(cut)
         for send in sends:
             if send.slices is None:
@@ -397,7 +427,7 @@ def run_device(
                     need_recv[ref] = recv[ref]
                 else:
                     need_local[(li, ref)] = compute_ready(bufs[li][spec.src[ref].device])
-        outs = program.build_fn(dev)(need_recv, need_local)
+        outs = _build(program.outputs[dev], need_recv, need_local)
         for (li, di), o in zip(targets, outs, strict=True):
             built[(li, di)] = o
     # 4. Per array: move to the destination memory kind and put the shards together.
