@@ -292,10 +292,7 @@ def _assemble(
     """A leaf like ``template`` of ``shape``/``sharding`` from existing per-device shards."""
     if isinstance(template, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(
-            shape,
-            template.dtype,
-            sharding=sharding,
-            weak_type=getattr(template, "weak_type", False),
+            shape, template.dtype, sharding=sharding, weak_type=template.weak_type
         )
     # In mesh order: key arrays (unlike plain ones) are not re-sorted by JAX and must
     # arrive in the sharding's device-assignment order, which for a NamedSharding is
