@@ -103,6 +103,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         _collective_device,
         _collective_executor,
         _collective_host,
+        _compat,
     )
 
     devs = np.array(jax.devices())
@@ -207,6 +208,19 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             ns(devs, ("f",), P("f"), "device"),
             ns(devs[::-1], ("t",), P(None, "t"), "pinned_host"),
         )
+
+    def output_is_what_device_put_returns() -> None:
+        # Weakly typed input, host memory at the destination: the output is committed,
+        # weak, and has device_put's aval (its mesh and memory space).
+        src = ns(devs[:half], ("f",), P("f"))
+        dst = ns(devs[half:], ("t",), P(None, "t"), "pinned_host")
+        x = jax.jit(lambda: jnp.full((48, 32), 2.0), out_shardings=src)()
+        assert x.weak_type
+        y = reshard.reshard(x, dst)
+        check(y, np.full((48, 32), 2.0, np.float32), dst)
+        assert y.committed and y.weak_type
+        assert y.aval == _compat.device_put_aval((48, 32), np.dtype(np.float32), dst, True)
+        assert str(jax.typeof(y)) == "~float32<host>[48,32]"  # ~: weakly typed
 
     def whole_source_shards_sent_as_they_are() -> None:
         # Shards this small are normally packed; send every whole shard as it is.
@@ -567,6 +581,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             no_union_device_on_some_processes,
             memory_kinds,
             whole_source_shards_sent_as_they_are,
+            output_is_what_device_put_returns,
             pytree_of_dtypes_and_keys,
             cached_plan_reuses_the_program,
             donation_frees_sources_after_success,
@@ -748,6 +763,7 @@ SCENARIOS = [
     "no_union_device_on_some_processes",
     "memory_kinds",
     "whole_source_shards_sent_as_they_are",
+    "output_is_what_device_put_returns",
     "pytree_of_dtypes_and_keys",
     "cached_plan_reuses_the_program",
     "donation_frees_sources_after_success",
