@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 from . import _compat
 from ._errors import DataLossError
 from ._geometry import box_from_index
+from ._mesh_surgery import device_id
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
 from ._planner import LeafSpec, ShardSpec, plan_leaves
 
@@ -319,12 +320,14 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None) -> frozenset[int]:
         )
     ids = []
     for d in avoid_devices:
-        if isinstance(d, jax.Device):
-            ids.append(int(d.id))
-        elif isinstance(d, int | np.integer) and not isinstance(d, bool):
-            ids.append(int(d))
-        else:
-            raise TypeError(f"avoid_devices holds {d!r}, which is neither a device nor a device id")
+        try:
+            if isinstance(d, bool):  # an int to Python, never meant as an id
+                raise ValueError
+            ids.append(device_id(d))
+        except ValueError:
+            raise TypeError(
+                f"avoid_devices holds {d!r}, which is neither a device nor a device id"
+            ) from None
     avoid = frozenset(ids)
     unknown = avoid - _all_device_ids()
     if unknown:
