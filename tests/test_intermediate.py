@@ -291,6 +291,20 @@ def test_donate_consumes_input_and_keeps_memory_kind():
     np.testing.assert_array_equal(np.asarray(out), value)
 
 
+def test_donate_refuses_a_bad_destination_before_consuming_the_input(spy):
+    # The route exists (fsdp -> tp over half the devices), but tp cannot divide 6
+    # columns by 4: the error must come before the first leg frees x.
+    src = sharding((8,), ("fsdp",), P("fsdp", None))
+    dst = sharding((4,), ("tp",), P(None, "tp"), ids=[4, 5, 6, 7])
+    value = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    x = owned(value, src)
+    with pytest.raises(ValueError, match="cannot be divided"):
+        reshard_with_intermediate_sharding(x, src, dst, donate=True)
+    assert not spy  # nothing was moved, so nothing was donated
+    assert not x.is_deleted() and x.sharding == src
+    np.testing.assert_array_equal(np.asarray(x), value)
+
+
 def test_prng_keys_take_the_route():
     src = sharding((8,), ("fsdp",), P("fsdp", None))
     dst = sharding((4,), ("tp",), P(None, "tp"))

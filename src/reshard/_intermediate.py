@@ -211,7 +211,8 @@ def reshard_with_intermediate_sharding(
       x: an array or pytree of arrays, laid out as ``in_sharding``.
       in_sharding: the sharding of ``x`` (only used to find the intermediate).
       out_sharding: the sharding of the result; applied to every leaf.
-      donate: whether ``x`` may be consumed.
+      donate: whether ``x`` may be consumed. A destination that cannot hold ``x`` is
+        refused before anything moves, so a failure loses nothing.
       may_alias: passed to ``reshard.reshard``.
 
     Returns:
@@ -229,12 +230,17 @@ def reshard_with_intermediate_sharding(
       >>> y.sharding == dst, bool((np.asarray(y) == np.asarray(x)).all())
       (True, True)
     """
-    from ._api import reshard  # late: the core API imports this module's package
+    from ._api import plan, reshard  # late: the core API imports this module's package
 
     try:
         intermediate, replica_axes = find_intermediate_sharding(in_sharding, out_sharding)
     except NoIntermediateShardingError:
         return reshard(x, out_sharding, donate=donate, may_alias=may_alias)
+    if donate:
+        # The first reshard frees x, so a destination the last one would refuse (a
+        # shape it cannot divide, say) must be refused before: a failure loses nothing.
+        # Every leaf keeps its shape on the way, so planning x -> out_sharding checks it.
+        plan(x, out_sharding)
     y = reshard(x, intermediate, donate=donate, may_alias=may_alias)
     for axis in replica_axes:
         # Keep the first replica; dropping the list releases the others' buffers.
