@@ -4,6 +4,7 @@ cached plans do not recompile."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import place, pointers
@@ -11,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
-from reshard import _local_executor
+from reshard import _collective_executor, _local_executor
 
 DEVS = jax.devices()
 
@@ -99,18 +100,112 @@ def test_donating_an_array_that_stands_at_two_leaves(executor, kept_first):
     dsts = [sharding(range(8)), sharding(range(8), P())]
     if not kept_first:
         dsts.reverse()
+    before = pointers(a)
     out = reshard.reshard([a, a], dsts, donate=True, executor=executor)
     for y, d in zip(out, dsts, strict=True):
         assert not y.is_deleted() and y.sharding == d
         np.testing.assert_array_equal(np.asarray(y), truth)
-    # Nothing of it is left but what the kept leaf took over.
-    kept = out[0] if kept_first else out[1]
-    assert {s.data.unsafe_buffer_pointer() for s in kept.addressable_shards} == {
-        s.data.unsafe_buffer_pointer() for s in a.addressable_shards
-    }
+    # Consumed, and nothing of it is left but what the kept leaf took over.
+    assert a.is_deleted()
+    assert pointers(out[0] if kept_first else out[1]) == before
     b = place(truth, sharding(range(8)))
     reshard.reshard([b, b], [sharding(range(4)), sharding(range(4, 8))], donate=True)
     assert b.is_deleted()
+
+
+EXECUTORS = [("host", None), ("device", None), ("collective", True), ("collective", False)]
+EXECUTOR_IDS = ["host", "device", "host-packed", "device-packed"]
+STAYS = [0, 1, 2, 3]  # devices that keep their shards in TRADED
+TRADED = [0, 1, 2, 3, 7, 6, 5, 4]
+
+
+def _key_data(v):
+    return jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+
+
+def _input(kind, src):
+    """A (fresh) input on ``src`` and its values."""
+    if kind == "weak":
+        return jax.jit(lambda: jnp.full((8, 4), 2.0), out_shardings=src)(), np.full((8, 4), 2.0)
+    if kind == "key":
+        data = np.arange(16, dtype=np.uint32).reshape(8, 2)
+        return place(jax.random.wrap_key_data(data), src), data
+    truth = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    return place(truth, src), truth
+
+
+@pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
+@pytest.mark.parametrize("kind", ["float", "weak", "key", "pinned_host"])
+def test_donating_an_array_that_partly_stays_consumes_it(monkeypatch, executor, pack_on_host, kind):
+    # Devices 0-3 keep their shards, 4-7 trade places. The output holds the kept
+    # buffers unchanged and the input reads as deleted, as jax.device_put's does. It
+    # used to read as valid with its other buffers freed: using it crashed the process.
+    if pack_on_host is not None:
+        monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    memory_kind = "pinned_host" if kind == "pinned_host" else None
+    src = sharding(range(8), memory_kind=memory_kind)
+    dst = sharding(TRADED, memory_kind=memory_kind)
+    x, truth = _input(kind, src)
+    before = pointers(_key_data(x))
+    y = reshard.reshard(x, dst, donate=True, executor=executor)
+    assert x.is_deleted()
+    with pytest.raises(RuntimeError, match="deleted"):
+        jax.jit(lambda v: v)(x)
+    kept = {d: p for d, p in pointers(_key_data(y)).items() if d.id in STAYS}
+    assert kept == {d: p for d, p in before.items() if d.id in STAYS}  # handed over
+    expect = jax.device_put(_input(kind, src)[0], dst)
+    assert y.sharding == dst and y.committed and y.aval == expect.aval
+    if kind != "key":
+        assert y.weak_type == (kind == "weak")
+    np.testing.assert_array_equal(np.asarray(_key_data(y)), truth)
+    for shard in _key_data(y).addressable_shards:  # each on its device, at its index
+        assert shard.index == dst.devices_indices_map(truth.shape)[shard.device]
+        np.testing.assert_array_equal(np.asarray(shard.data), truth[shard.index])
+    np.testing.assert_array_equal(np.asarray(_key_data(jax.jit(lambda v: v)(y))), truth)
+
+
+@pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
+def test_outputs_share_buffers_with_the_input_only_where_asked(monkeypatch, executor, pack_on_host):
+    if pack_on_host is not None:
+        monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    src, traded = sharding(range(8)), sharding(TRADED)
+    truth = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    x = place(truth, src)
+    mine = set(pointers(x).values())
+
+    def run(dst, **kw):
+        y = reshard.reshard(x, dst, executor=executor, **kw)
+        np.testing.assert_array_equal(np.asarray(y), truth)
+        assert y.sharding == dst
+        return pointers(y)
+
+    # By default a partly changed array is a copy that shares nothing (as Pathways
+    # returns), an unchanged one the input's buffers (as jax.device_put returns).
+    assert not set(run(traded).values()) & mine
+    assert run(src) == pointers(x)
+    assert not set(run(src, may_alias=False).values()) & mine
+    shared = run(traded, may_alias=True)  # asked for: the kept shards are handed over
+    assert {d.id for d, p in shared.items() if p in mine} == set(STAYS)
+    assert not x.is_deleted()
+    # The RL weight sync: a sampler copy made on devices that overlap the trainer's,
+    # then the trainer's step donates its parameters. The copy must live on.
+    params = place(truth, src)
+    sampler = reshard.reshard(params, traded, executor=executor)
+    params = jax.jit(lambda p: p * 2, donate_argnums=0)(params)
+    np.testing.assert_array_equal(np.asarray(sampler), truth)
+    np.testing.assert_array_equal(np.asarray(params), truth * 2)
+
+
+def test_donating_while_a_numpy_view_of_a_kept_shard_lives():
+    # JAX declines to donate a buffer a numpy view holds and copies it instead: the
+    # input is consumed all the same and the output holds every value.
+    truth = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    x = place(truth, sharding(range(8)))
+    view = np.asarray(x.addressable_shards[0].data)
+    y = reshard.reshard(x, sharding(TRADED), donate=True)
+    assert x.is_deleted()
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: v + 1)(y)), truth + 1)
+    np.testing.assert_array_equal(view, truth[:1])
 
 
 @pytest.mark.parametrize("executor", ["host", "device", "collective"])

@@ -316,13 +316,31 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             if not ok:
                 MISMATCHES.append(f"process {me}: {what}")
 
-        # Every shard kept in place, on every process's devices: the donated input
-        # keeps the buffers its output holds (each process sees only its own).
+        def addresses(v: jax.Array) -> dict[int, int]:
+            return {s.device.id: s.data.unsafe_buffer_pointer() for s in v.addressable_shards}
+
+        # Every shard kept in place, on every process's devices: the output holds the
+        # input's buffers, unchanged, and the input is consumed (as jax.device_put's).
         sh, other = ns(devs, ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
         x = make(a, sh)
+        before = addresses(x)
         y = reshard.reshard(x, sh, donate=True)
         check(y, a, sh)
-        expect(not x.is_deleted(), "an input whose buffers an output holds was deleted")
+        expect(x.is_deleted(), "a donated input whose shards all stay was not deleted")
+        expect(addresses(y) == before, "a shard that stays in place was copied")
+        # Partly kept, on some processes only: the first half of the devices keep
+        # their shards, the others trade places (on processes that keep nothing).
+        w = make(a, sh)
+        before = addresses(w)
+        traded = ns(np.concatenate([devs[:half], devs[half:][::-1]]), ("f",), P("f"))
+        v = reshard.reshard(w, traded, donate=True)
+        check(v, a, traded)
+        expect(w.is_deleted(), "a partly kept donated input was not deleted")
+        stayed = {d.id for d in devs[:half]}
+        expect(
+            all(p == before[d] for d, p in addresses(v).items() if d in stayed),
+            "a shard that stays in place was copied",
+        )
         # An earlier output passed with its input (they share every buffer).
         z = reshard.reshard(y, ns(devs, ("g",), P("g")))
         out = reshard.reshard({"y": y, "z": z}, {"y": sh, "z": other}, donate=True)

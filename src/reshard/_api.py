@@ -67,10 +67,14 @@ def reshard(
       sharding: a ``jax.sharding.Sharding`` or a pytree of them that is a tree prefix
         of ``x`` (one sharding then covers a whole subtree); a ``jax.Device`` stands
         for its ``SingleDeviceSharding``, as in ``jax.device_put``.
-      donate: free the sources once the whole pytree has been moved. A failure
-        frees nothing.
-      may_alias: ``False`` copies even shards that do not change; ``None``/``True``
-        hand unchanged shards over without a copy (as ``jax.device_put`` does).
+      donate: consume the sources once the whole pytree has been moved (they then
+        read as deleted); shards that stay on their device are handed over without a
+        copy. A failure frees nothing.
+      may_alias: ``None`` hands shards that stay on their device to the output only
+        where the whole array is unchanged (as ``jax.device_put``); an array that
+        changes in part comes back as a copy sharing no buffer with ``x``. ``True``
+        hands such shards over always (donating ``x`` later frees them under the
+        output); ``False`` copies them always. See ``Plan.execute``.
       cache_resharding_plans: keep the plan in a bounded LRU cache keyed by avals,
         shardings and options, so repeated calls do not plan again. Compiled
         programs are shared by equal plans either way (bounded too), so calls do not

@@ -133,7 +133,7 @@ def _leaf_copies(
                 relative_offsets(p.box, d.box),
             )
         )
-    if not alias:  # may_alias=False: unchanged shards are copied too
+    if not alias:  # not handed over: unchanged shards are copied too
         for di, si in lp.reused:
             s, d = spec.src[si], spec.dst[di]
             zero = (0,) * len(spec.shape)
@@ -150,18 +150,19 @@ def _leaf_copies(
 
 
 def all_copies(
-    leaf_plans: Sequence[LeafPlan], position: dict[int, int], alias: bool
+    leaf_plans: Sequence[LeafPlan], position: dict[int, int], alias: bool | Sequence[bool]
 ) -> tuple[list[LeafBlocks], list[set[int]], list[Copy]]:
     """Block shapes, kept output positions and copies of every array of the plan.
 
     The kept positions of an array are those of its destination shards that are not
-    handed over from a source shard unchanged (``may_alias``).
+    handed over from a source shard unchanged (``alias``, per array or for all).
     """
+    aliases = [alias] * len(leaf_plans) if isinstance(alias, bool) else list(alias)
     blocks: list[LeafBlocks] = []
     keep: list[set[int]] = []
     copies: list[Copy] = []
     for li, lp in enumerate(leaf_plans):
-        b, cs, k = _leaf_copies(li, lp, position, alias)
+        b, cs, k = _leaf_copies(li, lp, position, aliases[li])
         blocks.append(b)
         keep.append(k)
         copies.extend(cs)

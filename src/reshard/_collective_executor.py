@@ -149,8 +149,8 @@ class CollectiveProgram:
     Args:
       leaf_plans: the planner's leaf plans (key arrays already as their key data).
       dtypes: the element type of each planned array (``uint32`` for key data).
-      alias: whether destination shards identical to a source shard at the same
-        location are handed over (``may_alias``) instead of copied.
+      alias: per array, whether its destination shards identical to a source shard at
+        the same location are handed over instead of copied (``_execute.aliases``).
       pack_on_host: host-packed (True) or device-packed (False); ``None`` picks
         host-packed when every device is a CPU.
       group_bytes: device-packed: the most placeholder bytes per device one program
@@ -162,7 +162,7 @@ class CollectiveProgram:
         leaf_plans: Sequence[LeafPlan],
         dtypes: Sequence[Any],
         *,
-        alias: bool,
+        alias: Sequence[bool],
         pack_on_host: bool | None = None,
         group_bytes: int | None = None,
     ) -> None:
@@ -185,6 +185,7 @@ class CollectiveProgram:
         self.local_devices = [d for d in self.devices if d.process_index == me]
         self.leaf_plans = list(leaf_plans)
         self.dtypes = [np.dtype(d) for d in dtypes]
+        alias = tuple(alias)
         self.alias = alias
         self.leaves, keep, copies = all_copies(self.leaf_plans, self.position, alias)
         if group_bytes is None:
@@ -209,9 +210,9 @@ class CollectiveProgram:
                 self.position[lp.spec.dst[di].device]: self.position[lp.spec.src[si].device]
                 for di, si in lp.reused
             }
-            if alias
+            if a
             else {}
-            for lp in self.leaf_plans
+            for lp, a in zip(self.leaf_plans, alias, strict=True)
         ]
         if pack_on_host is None:
             pack_on_host = all(d.platform == "cpu" for d in self.devices)
@@ -447,7 +448,7 @@ def run_collective(
     shardings: Sequence[jax.sharding.Sharding],
     *,
     donate: bool,
-    may_alias: bool | None,
+    alias: Sequence[bool],
 ) -> list[jax.Array]:
     """Executes ``plan`` with compiled collective programs; every process calls it.
 
@@ -460,18 +461,16 @@ def run_collective(
       sources: the source arrays (PRNG-key arrays already converted to key data).
       shardings: per array, the destination sharding (of the key data for key arrays).
       donate: unused here: donation is the caller's last step, after every output exists.
-      may_alias: ``False`` copies destination shards that equal a source shard at the
-        same location; otherwise those buffers are handed over unchanged.
+      alias: per array, whether destination shards that equal a source shard at the
+        same location are handed over unchanged (else copied); see ``_execute.aliases``.
 
     Returns:
       One array per source, committed to its destination sharding.
     """
     del donate  # never delete here: a failure must leave every input intact
-    alias = may_alias is not False
+    alias = tuple(alias)
     group_bytes = device_packed.GROUP_BYTES
-    key = (
-        f"collective_program(alias={alias}, pack_on_host={PACK_ON_HOST}, group_bytes={group_bytes})"
-    )
+    key = ("collective_program", alias, PACK_ON_HOST, group_bytes)
     program: CollectiveProgram | None = plan._cache.get(key)
     limit = collective_timeout_s() if jax.process_count() > 1 else 0.0
     with watchdog(limit):

@@ -9,7 +9,7 @@ that both paths give the same result.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -189,6 +189,14 @@ def finish(x: jax.Array, aval: Any, fresh: bool) -> jax.Array:
         )
     except Exception:  # pragma: no cover - keep the array as it is
         return x
+
+
+# One jitted identity for everything: the cache keys on the arguments' avals and
+# shardings, and donation makes XLA alias every output to its input buffer. Its
+# arguments must share one device set (one jit call) and no buffer.
+donating_identity: Callable[[list[jax.Array]], list[jax.Array]] = jax.jit(
+    lambda arrays: arrays, donate_argnums=0
+)
 
 
 def copy_shards(xs: Sequence[jax.Array], shardings: Sequence[Sharding]) -> list[jax.Array]:

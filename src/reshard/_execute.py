@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +70,7 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             for job, s in zip(_jobs(plan), dst_shardings, strict=True)
         ]
 
+    alias = aliases(plan, donate=donate, may_alias=may_alias)
     if not planned:
         moved: list[jax.Array] = []
     elif plan.executor in ("host", "device"):
@@ -83,16 +86,17 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             [dst_shardings[j] for j in rest],
             [targets[j] for j in rest],
         )
+        rest_alias = [alias[j] for j in rest]
         if not rest:
             built: list[jax.Array] = []
         elif plan.executor == "host":
-            built = run_host([jobs[j] for j in rest], *args, may_alias=may_alias)
+            built = run_host([jobs[j] for j in rest], *args, alias=rest_alias)
         else:
             key = f"device_program(private={_compat.USE_PRIVATE})"  # as its arrays
             program = plan._cache.get(key)
             if program is None:
                 program = plan._cache[key] = DeviceProgram([jobs[j] for j in rest])
-            built = run_device(program, *args, may_alias=may_alias)
+            built = run_device(program, *args, alias=rest_alias)
         by_index = dict(zip(whole, copied, strict=True)) | dict(zip(rest, built, strict=True))
         moved = [by_index[j] for j in range(len(planned))]
     elif plan.executor == "collective":
@@ -102,7 +106,7 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             raise NotImplementedError(
                 "the collective executor is not available in this build"
             ) from e
-        moved = run_collective(plan, sources, dst_shardings, donate=donate, may_alias=may_alias)
+        moved = run_collective(plan, sources, dst_shardings, donate=donate, alias=alias)
     else:  # pragma: no cover - validated in plan()
         raise ValueError(f"unknown executor {plan.executor!r}")
 
@@ -134,9 +138,9 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     if donate:
         donated: dict[int, tuple[jax.Array, jax.Array]] = {}
         kept: set[tuple[int, int]] = set()  # buffers an output took over unchanged
-        for (i, _leaf), src, lp in zip(planned, sources, plan.leaf_plans, strict=True):
+        for (i, _leaf), src, lp, a in zip(planned, sources, plan.leaf_plans, alias, strict=True):
             donated.setdefault(id(values[i]), (values[i], src))
-            if may_alias is not False and lp.reused:
+            if a and lp.reused:
                 devices = {lp.spec.src[si].device for _, si in lp.reused}
                 # This process's buffers only: the others' kept shards are theirs.
                 kept.update(k for k in _compat.buffer_keys(src) if k[0] in devices)
@@ -144,8 +148,42 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             v = values[i]
             is_key = jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
             donated.setdefault(id(v), (v, jax.random.key_data(v) if is_key else v))
-        _donate(list(donated.values()), kept)
+        rehome = _donate(list(donated.values()), kept)
+        if rehome:
+            _rehome(rehome, out, [i for i, _ in planned], plan)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
+    """Per planned array: whether its destination shards that equal a source shard on
+    the same device are handed over (the output holds that very buffer) or copied.
+
+    Decided from the plan and the options alone, so every process decides alike (the
+    collective executor's programs depend on it):
+
+    - ``may_alias=False``: copied.
+    - Donating: handed over; the input is then re-homed (``_rehome``), so it reads
+      as deleted while its output keeps the buffers, as ``jax.device_put`` does.
+      Arrays a donating identity cannot take over (no elements; ``unpinned_host``,
+      where XLA runs nothing) are copied instead, and their input freed whole.
+    - ``may_alias=True``: handed over; the input stays valid and shares them.
+    - ``None`` (the default): handed over only where every destination shard is
+      unchanged, where ``jax.device_put`` too returns the input's buffers. An array
+      that changes in part comes back as a copy that shares nothing with its input,
+      as from Pathways: a trainer step that donates its parameters must not free a
+      sampler's copy of them.
+    """
+    out = []
+    for leaf, lp in zip(plan.planned_leaves, plan.leaf_plans, strict=True):
+        if may_alias is False or not lp.reused:
+            out.append(False)
+        elif donate:
+            src = leaf.src_sharding
+            memory_kind = None if src is None else src.memory_kind
+            out.append(math.prod(leaf.shape) > 0 and memory_kind != "unpinned_host")
+        else:
+            out.append(may_alias is True or len(lp.reused) == len(lp.spec.dst))
+    return out
 
 
 def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
@@ -184,25 +222,103 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
     return whole
 
 
-def _donate(arrays: Sequence[tuple[jax.Array, jax.Array]], kept: set[tuple[int, int]]) -> None:
-    """Frees the buffers of ``(array, its data)`` pairs, except those in ``kept`` (by
-    ``_compat.buffer_keys``: handed over to an output unchanged), each buffer once.
+Rehome = tuple[jax.Array, jax.Array, set[tuple[int, int]]]
+
+
+def _donate(
+    arrays: Sequence[tuple[jax.Array, jax.Array]], kept: set[tuple[int, int]]
+) -> list[Rehome]:
+    """Frees the ``(array, its data)`` pairs whose buffers (by ``_compat.buffer_keys``)
+    no output took over (``kept``), and returns those an output did take buffers of,
+    with the keys of their other buffers, for ``_rehome``.
 
     One buffer may belong to several of the arrays (one array at two leaves, or two
-    arrays sharing buffers, as an earlier reshard's output and its input do), so every
-    buffer is found before any is freed. An array none of whose buffers is kept, and
-    none freed through another, is deleted as a whole (it then reads as deleted).
+    arrays sharing buffers, as an earlier reshard's output and its input do). Arrays
+    linked by shared buffers are decided together: freed together when no output took
+    over any of their buffers, else left as they are (valid, holding every buffer),
+    since handing one of them over would free a buffer under another. So no array is
+    ever left with some of its buffers freed (it would read as valid, and reading it
+    would crash the process).
     """
-    found = [(x, [(b, k) for k, b in _compat.buffer_keys(data).items()]) for x, data in arrays]
-    freed: set[tuple[int, int]] = set()
-    for x, bufs in found:
-        free = [(b, p) for b, p in bufs if p not in kept and p not in freed]
-        if len(free) == len(bufs):
-            x.delete()
+    found = [(x, data, _compat.buffer_keys(data)) for x, data in arrays]
+    group = list(range(len(found)))  # union-find over arrays that share a buffer
+
+    def root(a: int) -> int:
+        while group[a] != a:
+            group[a] = group[group[a]]
+            a = group[a]
+        return a
+
+    first: dict[tuple[int, int], int] = {}
+    for a, (_, _, bufs) in enumerate(found):
+        for k in bufs:
+            group[root(a)] = root(first.setdefault(k, a))
+    members: dict[int, list[int]] = collections.defaultdict(list)
+    for a in range(len(found)):
+        members[root(a)].append(a)
+    rehome: list[Rehome] = []
+    for linked in members.values():
+        if not any(k in kept for a in linked for k in found[a][2]):
+            for a in linked:
+                found[a][0].delete()
+        elif len(linked) == 1:
+            x, data, bufs = found[linked[0]]
+            rehome.append((x, data, {k for k in bufs if k not in kept}))
+    return rehome
+
+
+def _rehome(items: Sequence[Rehome], out: list[Any], planned: Sequence[int], plan: Plan) -> None:
+    """Makes each donated array of ``items`` read as deleted while the outputs in
+    ``out`` keep the buffers they took over from it, and frees its other buffers.
+
+    A donating identity hands each array's buffers to a new array (XLA aliases them,
+    nothing is copied; where JAX declines, say for a numpy view of a shard, it copies
+    those). The outputs are rebuilt on the new array's buffers, then the input is
+    deleted. Only this process's buffers are touched; on a process that holds none of
+    an array's devices there is nothing to hand over.
+    """
+    # Every output's buffers, found before the identity frees the old handles.
+    found: dict[int, tuple[Any, dict[int, jax.Array], dict[int, tuple[int, int]]]] = {}
+    for i in planned:
+        data = jax.random.key_data(out[i]) if plan.leaves[i].kind == KEY else out[i]
+        bufs = _compat.device_buffers(data)
+        found[i] = (data, bufs, {d: (d, b.unsafe_buffer_pointer()) for d, b in bufs.items()})
+    by_devices: dict[frozenset[Any], list[Rehome]] = collections.defaultdict(list)
+    for item in items:
+        by_devices[frozenset(item[1].sharding.device_set)].append(item)
+    remap: dict[tuple[int, int], jax.Array] = {}  # old buffer key -> its new home
+    unused: list[jax.Array] = []  # new homes of buffers no output took over
+    for group in by_devices.values():
+        old = [_compat.buffer_keys(data) for _, data, _ in group]
+        new = _compat.donating_identity([data for _, data, _ in group])
+        for (x, _data, free), had, n in zip(group, old, new, strict=True):
+            home = _compat.device_buffers(n)
+            for k in had:
+                if k in free:
+                    unused.append(home[k[0]])
+                else:
+                    remap[k] = home[k[0]]
+            if not x.is_deleted():  # JAX copied some buffers, or had none to donate
+                x.delete()
+    for i, (data, bufs, held) in found.items():
+        if not any(k in remap for k in held.values()):
+            continue
+        leaf = plan.leaves[i]
+        devices = _compat.addressable_devices(data.sharding)
+        parts = [remap.get(held[d.id], bufs[d.id]) for d in devices]
+        rebuilt = _compat.assemble(
+            leaf.shape if leaf.kind != KEY else data.shape,
+            data.dtype,
+            data.sharding,
+            parts,
+            devices,
+        )
+        if leaf.kind == KEY:
+            out[i] = jax.random.wrap_key_data(rebuilt, impl=jax.random.key_impl(out[i]))
         else:
-            for b, _ in free:
-                b.delete()
-        freed.update(p for _, p in free)
+            out[i] = _compat.finish(rebuilt, out[i].aval, fresh=True)
+    for b in unused:
+        b.delete()
 
 
 def _moved_sharding(leaf: LeafInfo) -> Sharding:

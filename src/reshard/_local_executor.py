@@ -138,7 +138,7 @@ def run_host(
     shardings: Sequence[jax.sharding.Sharding],
     targets: Sequence[Sequence[tuple[int, Any]]],
     *,
-    may_alias: bool | None,
+    alias: Sequence[bool],
 ) -> list[jax.Array]:
     """Executes on CPU through host views: one copy per moved or kept byte.
 
@@ -148,22 +148,21 @@ def run_host(
       shardings: destination sharding per array (of the key data for key arrays).
       targets: per array, ``(destination shard index, device)`` for each device of
         this process, in the order of the sharding's addressable devices.
-      may_alias: whether an unchanged shard may be handed over without a copy.
+      alias: per array, whether its unchanged shards are handed over without a copy.
     """
-    alias = may_alias is not False
     small = iter(
         carve(
             [
                 job.nbytes[di]
-                for job, tg in zip(jobs, targets, strict=True)
+                for job, tg, a in zip(jobs, targets, alias, strict=True)
                 for di, _ in tg
-                if job.nbytes[di] < SMALL_SHARD_BYTES and not (alias and di in job.reused)
+                if job.nbytes[di] < SMALL_SHARD_BYTES and not (a and di in job.reused)
             ]
         )
     )
     big: list[tuple[int, Callable[[], Any]]] = []  # (bytes, copy) per large shard
     leaves: list[tuple[list[Any], list[Any]]] = []
-    for job, src, tg in zip(jobs, sources, targets, strict=True):
+    for job, src, tg, a in zip(jobs, sources, targets, alias, strict=True):
         spec = job.plan.spec
         bufs = _compat.device_buffers(src)
         views: dict[int, np.ndarray] = {}
@@ -171,7 +170,7 @@ def run_host(
         dst_devs: list[Any] = []
         for di, dev in tg:
             si = job.reused.get(di)
-            if si is not None and alias:
+            if si is not None and a:
                 dst_bufs.append(bufs[spec.src[si].device])
             else:
                 n = job.nbytes[di]
@@ -366,11 +365,12 @@ def run_device(
     shardings: Sequence[jax.sharding.Sharding],
     placements: Sequence[Sequence[tuple[int, Any]]],
     *,
-    may_alias: bool | None,
+    alias: Sequence[bool],
 ) -> list[jax.Array]:
     """Executes with compiled slicing/assembly on the devices themselves.
 
-    ``placements`` is per array what ``run_host`` calls ``targets``.
+    ``placements`` is per array what ``run_host`` calls ``targets``, and ``alias`` what
+    it calls ``alias``.
     """
     jobs = program.jobs
     bufs = [_compat.device_buffers(s) for s in sources]
@@ -440,7 +440,7 @@ def run_device(
             si = job.reused.get(di)
             if si is not None:
                 b = bufs[li][spec.src[si].device]
-                parts.append(b if may_alias is not False else jnp.copy(b))
+                parts.append(b if alias[li] else jnp.copy(b))
             else:
                 parts.append(built[(li, di)])
             devs.append(d)

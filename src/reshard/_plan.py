@@ -74,10 +74,16 @@ class Plan:
 
         Args:
           x: the pytree to move.
-          donate: free the source arrays after the whole pytree has been moved (never
-            before: a failure leaves every input intact).
-          may_alias: ``False`` forces a copy even of shards that do not change; ``None``
-            or ``True`` hands such shards over without copying.
+          donate: consume the source arrays after the whole pytree has been moved
+            (never before: a failure leaves every input intact). Shards that stay on
+            their device are handed to the output without a copy; the inputs read as
+            deleted.
+          may_alias: for shards that stay on their device, without ``donate``:
+            ``None`` hands them over only where the whole array is unchanged (as
+            ``jax.device_put`` does), else copies them, so the output shares no
+            buffer with the input; ``True`` hands them over always (the output then
+            shares buffers with the input: donating the input later, to a training
+            step say, frees them under the output); ``False`` copies them always.
 
         Returns:
           A pytree like ``x`` with every leaf committed to its destination sharding.

@@ -106,7 +106,9 @@ class PlanStats:
       transfers: number of moved pieces (after merging adjacent ones).
       send_bytes / recv_bytes: per device id, bytes sent / received.
       peak_extra_bytes: per device id, bytes of new destination buffers the executor
-        allocates there while the sources are still alive (reused shards excluded).
+        allocates there while the sources are still alive, reused shards excluded:
+        those are handed over when donating, with ``may_alias=True``, or where the
+        whole array is unchanged; otherwise ``execute`` copies them on their device.
     """
 
     array_bytes: int

@@ -236,7 +236,7 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     if not unique:
         return list(arrays)
     swap = {}
-    for a, b in zip(unique, _donating_identity(unique), strict=True):
+    for a, b in zip(unique, _compat.donating_identity(unique), strict=True):
         if not a.is_deleted():
             # Partly donated; or, in a process that holds none of its devices, nothing
             # here to donate, so JAX leaves it as it was: deleted all the same, as on
@@ -246,13 +246,6 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
                 a.delete()
         swap[id(a)] = b if a.is_deleted() else a
     return [swap.get(id(a), a) for a in arrays]
-
-
-# One jitted identity for everything: the cache keys on the arguments' avals and
-# shardings, and donation makes XLA alias every output to its input buffer.
-_donating_identity: Callable[[list[jax.Array]], list[jax.Array]] = jax.jit(
-    lambda arrays: arrays, donate_argnums=0
-)
 
 
 def _build_then_consume(
