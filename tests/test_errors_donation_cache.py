@@ -37,6 +37,24 @@ def test_non_sharding_leaf_names_path(tree):
         reshard.reshard(tree, {"w": sharding([4, 5]), "b": "replicated"})
 
 
+def test_none_stands_where_x_has_no_leaves(tree):
+    # jax.tree.map over a state with a None field gives None there (Pathways accepts
+    # it, as does jax.device_put); over a leaf it is still an error.
+    state = {**tree, "ema": None}
+    shardings = jax.tree.map(lambda _: sharding([4, 5]), state)
+    assert shardings["ema"] is None
+    out = reshard.reshard(state, shardings)
+    assert out["ema"] is None
+    for k in tree:
+        assert out[k].sharding == sharding([4, 5])
+        np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(tree[k]))
+    with pytest.raises(ValueError, match=r"at \['w'\] .*got NoneType.*here it has 1"):
+        reshard.reshard(state, {**shardings, "w": None})
+    with pytest.raises(ValueError, match="at the root .*got NoneType"):
+        reshard.reshard(state, None)
+    assert reshard.reshard({"a": None, "b": ()}, None) == {"a": None, "b": ()}
+
+
 def test_partition_spec_gets_a_hint(tree):
     with pytest.raises(
         ValueError,

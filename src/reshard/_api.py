@@ -205,17 +205,18 @@ def _broadcast_shardings(sharding: Any, x: Any, n: int) -> list[Any]:
     s_with_path = [
         (p, SingleDeviceSharding(s) if isinstance(s, jax.Device) else s) for p, s in s_with_path
     ]
+
+    def refuse(p: Any, s: Any, hint: str = "") -> ValueError:
+        where = f"at {path_str(p)}" if p else "at the root"
+        return ValueError(
+            f"sharding {where} must be a jax.sharding.Sharding, got {type(s).__name__}: {s!r}.{hint}"
+        )
+
     for p, s in s_with_path:
-        if not isinstance(s, Sharding):
-            hint = (
-                " Wrap a PartitionSpec in NamedSharding(mesh, spec)."
-                if isinstance(s, PartitionSpec)
-                else ""
-            )
-            where = f"at {path_str(p)}" if p else "at the root"
-            raise ValueError(
-                f"sharding {where} must be a jax.sharding.Sharding, got {type(s).__name__}: {s!r}.{hint}"
-            )
+        if isinstance(s, PartitionSpec):
+            raise refuse(p, s, " Wrap a PartitionSpec in NamedSharding(mesh, spec).")
+        if not isinstance(s, Sharding) and s is not None:
+            raise refuse(p, s)
     try:
         subtrees = s_def.flatten_up_to(x)  # type: ignore[attr-defined]
     except (ValueError, TypeError) as e:
@@ -225,8 +226,13 @@ def _broadcast_shardings(sharding: Any, x: Any, n: int) -> list[Any]:
             f"{jax.tree_util.tree_structure(x)} ({e})"
         ) from None
     out: list[Any] = []
-    for (_, s), sub in zip(s_with_path, subtrees, strict=True):
-        out.extend([s] * len(jax.tree_util.tree_leaves(sub)))
+    for (p, s), sub in zip(s_with_path, subtrees, strict=True):
+        n_leaves = len(jax.tree_util.tree_leaves(sub))
+        if s is None and n_leaves:
+            # None stands only over a part of x without leaves (x's own None, say, as
+            # jax.tree.map gives it), as in Pathways and jax.device_put.
+            raise refuse(p, s, f" None stands only where x has no leaves; here it has {n_leaves}.")
+        out.extend([s] * n_leaves)
     assert len(out) == n, (len(out), n)
     return out
 
