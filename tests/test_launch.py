@@ -23,6 +23,8 @@ import pytest
 
 from reshard._launch import (
     ENV_COORDINATOR_ADDRESS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
     LaunchError,
     initialize_from_env,
     launch_local,
@@ -365,3 +367,19 @@ def test_initialize_from_env_outside_a_launch_says_how_to_fix(
     monkeypatch.delenv(ENV_COORDINATOR_ADDRESS, raising=False)
     with pytest.raises(RuntimeError, match="not started by reshard's launch_local"):
         initialize_from_env()
+
+
+def test_initialize_from_env_after_jax_started_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    import jax
+
+    from reshard import _compat
+
+    jax.devices()  # this test process has its backends already
+    assert _compat.backends_initialized() is True
+    monkeypatch.setenv(ENV_COORDINATOR_ADDRESS, "127.0.0.1:1")
+    monkeypatch.setenv(ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(ENV_PROCESS_ID, "0")
+    with pytest.raises(RuntimeError, match="backends are already initialised"):
+        initialize_from_env()
+    monkeypatch.setattr(_compat, "USE_PRIVATE", False)
+    assert _compat.backends_initialized() is None  # JAX has no public way to tell

@@ -45,8 +45,24 @@ try:  # pragma: no cover - exercised on whichever JAX is installed
 except Exception:  # pragma: no cover
     _batched_copy = None
 
+try:  # pragma: no cover - exercised on whichever JAX is installed
+    from jax._src import xla_bridge as _xla_bridge
+
+    _backends_are_initialized: Any = _xla_bridge.backends_are_initialized
+except Exception:  # pragma: no cover
+    _backends_are_initialized = None
+
 # Tests flip this to exercise the public fallbacks.
 USE_PRIVATE = True
+
+
+def backends_initialized() -> bool | None:
+    """Whether JAX has made its backends already (then the CPU device count and the
+    collectives can no longer be set); ``None`` where JAX does not tell (no public
+    API does), and the caller cannot check."""
+    if not USE_PRIVATE or _backends_are_initialized is None:
+        return None
+    return bool(_backends_are_initialized())
 
 
 def ordered_devices(sharding: Sharding) -> tuple[Any, ...]:

@@ -434,10 +434,10 @@ def initialize_from_env() -> None:
             :func:`launch_local`), or JAX's backends were initialised too early.
     """
     import jax
-    from jax._src import distributed as jax_distributed
-    from jax._src import xla_bridge
 
-    if jax_distributed.global_state.client is not None:
+    from . import _compat
+
+    if jax.distributed.is_initialized():
         return
     missing = [
         k
@@ -450,7 +450,7 @@ def initialize_from_env() -> None:
             "process was not started by reshard's launch_local. Start it with "
             "launch_local(...), or call jax.distributed.initialize(...) yourself."
         )
-    if xla_bridge.backends_are_initialized():
+    if _compat.backends_initialized():
         raise RuntimeError(
             "initialize_from_env: JAX's backends are already initialised (something "
             "called jax.devices() or ran a computation first), so the device count and "
