@@ -272,6 +272,19 @@ def test_donating_leaves_that_jax_device_put_moves():
     for y in out.values():
         assert not y.is_deleted()
         np.testing.assert_array_equal(np.asarray(jax.random.key_data(y)), data)
+    # Replicated onto more devices, jax.device_put hands the source's buffers over even
+    # when asked for a copy: freeing the donated source deleted four of the output's
+    # shards, and a jit on it crashed the process.
+    everywhere = sharding(range(8), P())
+    wider = sharding_impls.GSPMDSharding(
+        everywhere._device_assignment, everywhere._to_xla_hlo_sharding(1)
+    )
+    k = jax.device_put(jax.random.wrap_key_data(data), sharding(range(4, 8), P()))
+    y = reshard.reshard(k, wider, donate=True)
+    assert k.is_deleted() and not y.is_deleted()
+    assert not any(s.data.is_deleted() for s in jax.random.key_data(y).addressable_shards)
+    out = jax.jit(lambda v: jax.random.key_data(v) + 1)(y)
+    np.testing.assert_array_equal(np.asarray(out), data + 1)
 
 
 def test_donating_zero_copy_replicas_frees_them_all():

@@ -144,13 +144,18 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
                 devices = {lp.spec.src[si].device for _, si in lp.reused}
                 # This process's buffers only: the others' kept shards are theirs.
                 kept.update(k for k in _compat.buffer_keys(src) if k[0] in devices)
-        for i in given:  # copied, not kept: their buffers are all freed
+        for i in given:
             v = values[i]
-            is_key = jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
-            donated.setdefault(id(v), (v, jax.random.key_data(v) if is_key else v))
+            data = _data(v)
+            donated.setdefault(id(v), (v, data))
+            # Asked for a copy, jax.device_put may still hand a buffer over (jax 0.10:
+            # key arrays replicated onto more devices): what the output holds is kept.
+            if data.size:
+                held = _compat.buffer_keys(_data(out[i]))
+                kept.update(k for k in _compat.buffer_keys(data) if k in held)
         rehome = _donate(list(donated.values()), kept)
         if rehome:
-            _rehome(rehome, out, [i for i, _ in planned], plan)
+            _rehome(rehome, out, [i for i, _ in planned] + given)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -267,7 +272,12 @@ def _donate(
     return rehome
 
 
-def _rehome(items: Sequence[Rehome], out: list[Any], planned: Sequence[int], plan: Plan) -> None:
+def _data(v: jax.Array) -> jax.Array:
+    """A key array's key data; any other array itself."""
+    return jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+
+
+def _rehome(items: Sequence[Rehome], out: list[Any], outputs: Sequence[int]) -> None:
     """Makes each donated array of ``items`` read as deleted while the outputs in
     ``out`` keep the buffers they took over from it, and frees its other buffers.
 
@@ -277,10 +287,11 @@ def _rehome(items: Sequence[Rehome], out: list[Any], planned: Sequence[int], pla
     deleted. Only this process's buffers are touched; on a process that holds none of
     an array's devices there is nothing to hand over.
     """
-    # Every output's buffers, found before the identity frees the old handles.
+    # The outputs' buffers (at indices ``outputs``), found before the identity frees
+    # the old handles.
     found: dict[int, tuple[Any, dict[int, jax.Array], dict[int, tuple[int, int]]]] = {}
-    for i in planned:
-        data = jax.random.key_data(out[i]) if plan.leaves[i].kind == KEY else out[i]
+    for i in outputs:
+        data = _data(out[i])
         bufs = _compat.device_buffers(data)
         found[i] = (data, bufs, {d: (d, b.unsafe_buffer_pointer()) for d, b in bufs.items()})
     by_devices: dict[frozenset[Any], list[Rehome]] = collections.defaultdict(list)
@@ -291,7 +302,7 @@ def _rehome(items: Sequence[Rehome], out: list[Any], planned: Sequence[int], pla
     for group in by_devices.values():
         old = [_compat.buffer_keys(data) for _, data, _ in group]
         new = _compat.donating_identity([data for _, data, _ in group])
-        for (x, _data, free), had, n in zip(group, old, new, strict=True):
+        for (x, _, free), had, n in zip(group, old, new, strict=True):
             home = _compat.device_buffers(n)
             for k in had:
                 if k in free:
@@ -303,17 +314,10 @@ def _rehome(items: Sequence[Rehome], out: list[Any], planned: Sequence[int], pla
     for i, (data, bufs, held) in found.items():
         if not any(k in remap for k in held.values()):
             continue
-        leaf = plan.leaves[i]
         devices = _compat.addressable_devices(data.sharding)
         parts = [remap.get(held[d.id], bufs[d.id]) for d in devices]
-        rebuilt = _compat.assemble(
-            leaf.shape if leaf.kind != KEY else data.shape,
-            data.dtype,
-            data.sharding,
-            parts,
-            devices,
-        )
-        if leaf.kind == KEY:
+        rebuilt = _compat.assemble(data.shape, data.dtype, data.sharding, parts, devices)
+        if data is not out[i]:  # a key array: wrap its new key data
             out[i] = jax.random.wrap_key_data(rebuilt, impl=jax.random.key_impl(out[i]))
         else:
             out[i] = _compat.finish(rebuilt, out[i].aval, fresh=True)
