@@ -222,6 +222,47 @@ def test_plan_json_matches_real_shardings() -> None:
     assert out["destination"]["spec"] == [["a", "b"], "c"]
 
 
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [7, 6, 5, 4, 3, 2, 1, 0],
+        [3, 2, 0, 1],
+        [0, 1, 2, 3, 8, 10, 11],
+        [4096, 4097, 0, 1, 5],
+        [9],
+        list(np.random.default_rng(0).permutation(64)),
+    ],
+)
+def test_device_ranges_keep_the_order_and_read_back(ids: list[int]) -> None:
+    from reshard._cli_plan import devices_arg
+    from reshard._cli_render import device_ranges
+
+    text = device_ranges(int(i) for i in ids)
+    assert devices_arg(text) == tuple(ids)
+    assert len(text) <= len(",".join(map(str, ids)))
+
+
+def test_plan_prints_devices_in_mesh_order() -> None:
+    """A reversed destination is not the source: the printed lists say so, and the
+    JSON's lists give the same plan when passed back."""
+    args = ("plan", "--shape", "64", "--src-mesh", "8", "--dst-mesh", "8")
+    reverse = ("--dst-devices", "7,6,5,4,3,2,1,0")
+    res = run_cli(*args, *reverse)
+    assert res.returncode == 0, res.stderr
+    assert "source:      mesh 8 (a0), spec (a0), devices 0-7\n" in res.stdout
+    assert "destination: mesh 8 (a0), spec (a0), devices 7,6,5,4,3,2,1,0\n" in res.stdout
+    out = run_json(*args, *reverse)
+    assert out["source"]["devices"] == "0-7"
+    assert out["destination"]["devices"] == "7,6,5,4,3,2,1,0"
+    again = run_json(
+        *args,
+        "--src-devices", out["source"]["devices"],
+        "--dst-devices", out["destination"]["devices"],
+    )  # fmt: skip
+    assert again["stats"] == out["stats"] and again["stats"]["bytes_kept"] == 0
+    assert again["destination"] == out["destination"]
+
+
 def test_plan_avoid_reads_surviving_replicas_only() -> None:
     out = run_json(
         "plan", "--shape", "1024,1024", "--src-mesh", "2x4", "--src-spec", "None,model",
@@ -313,10 +354,63 @@ def test_plan_colours_only_on_a_terminal() -> None:
         (["demo", "--devices", "6", "--processes", "4"], ["evenly"]),
         (["bench", "--cases", "nope"], ["unknown case", "disjoint"]),
         (["dmeo"], ["invalid choice", "demo"]),
+        # Not a finite size, or more than any machine's memory: refused before any work.
+        (["demo", "--size-mb", "inf"], ["--size-mb", "finite"]),
+        (["demo", "--size-mb", "nan"], ["--size-mb", "finite"]),
+        (["bench", "--size-mb", "inf"], ["--size-mb", "finite"]),
+        (["bench", "--size-mb", "1e15"], ["--size-mb", "memory"]),
+        # A command's unknown flags are its own, with its own --help.
+        *[([cmd, *rest, "--bogus"],
+           [f"reshard {cmd}: error: unrecognized arguments: --bogus", f"'reshard {cmd} --help'"])
+          for cmd, rest in (("plan", ["--shape", "8", "--src-mesh", "2", "--dst-mesh", "2"]),
+                            ("bench", []), ("demo", ["--devices", "4"]))],
+        (["--bogus", "bench"], ["reshard: error: unrecognized arguments: --bogus"]),
+        # argparse takes "-5,64" for a flag: say how to pass it.
+        (["plan", "--shape", "-5,64", "--src-mesh", "2", "--dst-mesh", "2"],
+         ["--shape", "needs '='", "--shape=-5,64"]),
+        (["plan", "--shape=-5,64", "--src-mesh", "2", "--dst-mesh", "2"], ["--shape", ">= 0"]),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_one_line_exit_2(args: list[str], needles: list[str]) -> None:
     one_line_usage_error(run_cli(*args, timeout=60), *needles)
+
+
+def test_bad_environment_is_one_line_exit_2() -> None:
+    res = run_cli("demo", "--processes", "2", RESHARD_DEMO_TIMEOUT_S="abc")
+    one_line_usage_error(res, "RESHARD_DEMO_TIMEOUT_S='abc'", "seconds")
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_closed_stdout_pipe_exits_0_quietly(json_flag: list[str]) -> None:
+    """``reshard plan ... | head -1``: the reader leaves early, which is no failure."""
+    args = ["plan", "--shape", "64,64", "--src-mesh", "2x4", "--dst-mesh", "4x2", *json_flag]
+    env = _env()
+    # Buffered, as for a user: the JSON then reaches the pipe only when flushed.
+    env.pop("PYTHONUNBUFFERED", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reshard", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command, still importing, writes anything
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, err
+    assert err == ""
+
+
+def test_plan_of_exabytes_counts_past_int64() -> None:
+    """An array of 2**67 bytes: the matrix cell does not fit int64, the report is exact."""
+    args = ("plan", "--shape", "4294967296,4294967296", "--dtype", "float64",
+            "--src-mesh", "1", "--dst-mesh", "1", "--dst-devices", "1")  # fmt: skip
+    out = run_json(*args)
+    assert out["stats"]["bytes_moved"] == 2**67
+    assert out["matrix"]["bytes"] == [[2**67]]
+    res = run_cli(*args)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert "147,573,952,589,676,412,928 B" in res.stdout and "src\\dst  1" in res.stdout
 
 
 def test_help_and_version() -> None:
@@ -380,10 +474,11 @@ def test_bench_runs_a_suite_and_prints_its_ratios(tmp_path: Path) -> None:
     assert "2.50x" in res.stdout and "2.0 ms" in res.stdout and "1.0 MiB" in res.stdout
 
 
-def test_bench_without_a_suite_exits_2() -> None:
-    res = run_cli("bench", RESHARD_BENCH_MODULE="no_such_bench_module_xyz")
+@pytest.mark.parametrize("module", ["no_such_bench_module_xyz", "no_such_package_xyz.bench"])
+def test_bench_without_a_suite_exits_2(module: str) -> None:
+    res = run_cli("bench", RESHARD_BENCH_MODULE=module)
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "no_such_bench_module_xyz" in res.stderr and "no such module" in res.stderr
+    assert module in res.stderr and "no such module" in res.stderr
 
 
 @pytest.mark.timeout(180)

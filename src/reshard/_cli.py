@@ -11,6 +11,8 @@ Conventions every command follows:
 * A mistake on the command line is one line on stderr that says what is wrong and how
   to write it, and exit code 2 -- never a traceback. Data loss (``--avoid``) is exit
   code 1. Anything else that fails is a bug and keeps its traceback.
+* A reader that stops early (``reshard plan ... | head``) is no failure: the output
+  ends quietly, with the run's exit code.
 * Heavy imports happen inside the commands: ``reshard demo`` must choose the number of
   simulated devices before JAX initialises its backends.
 """
@@ -18,9 +20,11 @@ Conventions every command follows:
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 EXIT_USAGE = 2
@@ -52,8 +56,41 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line (no usage block), exit code 2."""
 
+    _args: Sequence[str] = ()
+
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
+        # Kept for `error`, which argparse gives only the message.
+        self._args = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._args, namespace)
+
     def error(self, message: str) -> NoReturn:
+        message += self._dash_value_hint(message)
         raise UsageError(f"{message} (see '{self.prog} --help')", prog=self.prog)
+
+    def _dash_value_hint(self, message: str) -> str:
+        """How to pass a value such as ``-5,64``, which argparse takes for a flag."""
+        m = re.fullmatch(r"argument (\S+): expected one argument", message)
+        if m is None:
+            return ""
+        flags = m.group(1).split("/")
+        for flag, value in zip(self._args, self._args[1:], strict=False):
+            if flag in flags and value.startswith("-") and not re.match(r"--?[A-Za-z]", value):
+                return f"; a value that starts with '-' needs '=', e.g. {flag}={value}"
+        return ""
+
+
+class _CommandParser(_Parser):
+    """The parser of one command: reports the flags it does not know itself.
+
+    argparse leaves a command's unknown flags to the top-level parser, whose message
+    would send the user to ``reshard --help`` instead of ``reshard plan --help``.
+    """
+
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
 
 def positive_int(text: str) -> int:
@@ -68,13 +105,37 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """A number > 0 (argparse type)."""
+    """A finite number > 0 (argparse type)."""
     try:
         v = float(text)
     except ValueError:
         v = 0.0
-    if not v > 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0, e.g. 200 or 4.5")
+    if not (v > 0 and math.isfinite(v)):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0, e.g. 200 or 4.5")
+    return v
+
+
+def memory_mib() -> float:
+    """This machine's physical memory in MiB (1 TiB where the platform cannot say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (AttributeError, ValueError, OSError):
+        return float(2**20)
+
+
+def size_mb(text: str) -> float:
+    """``--size-mb``: a finite number > 0 of MiB that fits this machine's memory.
+
+    The demo and the benchmarks build their trees in host memory: a size beyond it
+    could only fail later, with an out-of-memory error (argparse type).
+    """
+    v = positive_float(text)
+    limit = memory_mib()
+    if v > limit:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} MiB is more than this machine's memory ({limit:,.0f} MiB); "
+            "the trees live in host memory, e.g. 200"
+        )
     return v
 
 
@@ -99,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"reshard {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command", metavar="command", required=True, parser_class=_CommandParser
+    )
     commands = (
         ("demo", _cli_demo, "reshard an LLM-shaped tree on simulated CPU devices"),
         ("plan", _cli_plan, "explain a reshard of synthetic devices (thousands), without data"),
@@ -118,7 +181,13 @@ def console() -> Any:
     """The stdout console: colours only on a terminal; no guessing of highlights."""
     from rich.console import Console
 
-    return Console(highlight=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit with code 1 itself; `main` treats a closed pipe as success.
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console(highlight=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,10 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
       The exit code: 0 success, 1 failure (e.g. data loss), 2 a command-line mistake.
     """
     prog = "reshard"
+    code = 0
     try:
         args = build_parser().parse_args(argv)
         prog = f"reshard {args.command}"
-        return int(args.run(args, console()))
+        code = int(args.run(args, console()))
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return code
     except UsageError as e:
         print(f"{e.prog or prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -142,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("reshard: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # `reshard plan ... | head`: the reader left; nothing is wrong. Point stdout at
-        # /dev/null so the interpreter's final flush does not raise again.
+        # `reshard plan ... | head`: the reader left; nothing is wrong, and the exit code
+        # is the run's (0 unless it failed). Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return code

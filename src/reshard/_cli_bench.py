@@ -67,7 +67,12 @@ def find_suite() -> tuple[Callable[..., Iterable[Any]], str, Any]:
                 raise SuiteNotAvailable(f"{ENV_MODULE}={custom}: no such file")
             module = _load_path(Path(custom))
         else:
-            if importlib.util.find_spec(custom) is None:
+            try:
+                # Raises, rather than returns None, when a parent package is missing.
+                found = importlib.util.find_spec(custom)
+            except (ImportError, ValueError):
+                found = None
+            if found is None:
                 raise SuiteNotAvailable(f"{ENV_MODULE}={custom}: no such module")
             module = importlib.import_module(custom)
     elif importlib.util.find_spec("reshard._bench") is not None:
@@ -139,9 +144,9 @@ def format_cell(column: str, value: Any) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``reshard bench``."""
-    from ._cli import positive_float, positive_int
+    from ._cli import positive_int, size_mb
 
-    p.add_argument("--size-mb", type=positive_float, help="size of the trees (suite default)")
+    p.add_argument("--size-mb", type=size_mb, help="size of the trees (suite default)")
     p.add_argument("--repeats", type=positive_int, help="timed repetitions (suite default)")
     p.add_argument("--cases", help="comma-separated cases to run, e.g. disjoint,relayout")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
@@ -215,7 +220,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         table.add_row(*(format_cell(c, r.get(c)) for c in columns))
     # Piped output has no terminal width to respect: keep each row on one line.
     if not console.is_terminal:
-        console = Console(width=200, highlight=False)
+        console.width = 200
     console.print(table)
     console.print(
         "times are medians of one run; ratios are the suite's own (vs_device_put > 1: "

@@ -32,6 +32,7 @@ from ._cli import (
     add_output_arguments,
     positive_float,
     positive_int,
+    size_mb,
 )
 from ._cli_render import render_report
 from ._cli_scenarios import run_demo
@@ -40,6 +41,8 @@ from ._plan import human_bytes
 DEFAULT_DEVICES = 8
 DEFAULT_SIZE_MB = 200.0
 DEFAULT_REPEATS = 3
+ENV_TIMEOUT = "RESHARD_DEMO_TIMEOUT_S"  # seconds a --processes run may take
+DEFAULT_TIMEOUT_S = 600.0
 
 
 # ----------------------------------------------------------------------------------
@@ -93,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--size-mb",
-        type=positive_float,
+        type=size_mb,
         default=DEFAULT_SIZE_MB,
         help=f"about how many MiB of parameters ({DEFAULT_SIZE_MB:.0f})",
     )
@@ -124,6 +127,26 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--devices {n} cannot be split evenly over --processes {procs}; "
             f"use a device count that is a multiple of {procs}"
         )
+    if procs > 1:
+        timeout_s()  # a bad value is a usage error before anything starts
+
+
+def timeout_s() -> float:
+    """The time limit of a ``--processes`` run, from ``RESHARD_DEMO_TIMEOUT_S``.
+
+    Raises:
+      UsageError: the variable is set to something other than a number of seconds.
+    """
+    text = os.environ.get(ENV_TIMEOUT)
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise UsageError(
+            f"{ENV_TIMEOUT}={text!r} is not a number of seconds > 0; "
+            f"set it like {ENV_TIMEOUT}=600, or unset it"
+        ) from None
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
@@ -194,7 +217,7 @@ def _run_processes(args: argparse.Namespace) -> dict[str, Any] | None:
             num_processes=args.processes,
             devices_per_process=args.devices // args.processes,
             args=[args.size_mb, args.repeats, args.blocks],
-            timeout_s=float(os.environ.get("RESHARD_DEMO_TIMEOUT_S", 600)),
+            timeout_s=timeout_s(),
         )
     except _launch.LaunchError as e:
         print(f"reshard demo: the multi-process run failed:\n{e}", file=sys.stderr)

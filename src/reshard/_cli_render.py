@@ -36,15 +36,20 @@ _COLOURS = ("grey35", "#3b528b", "#21918c", "#5ec962", "#fde725")  # viridis, da
 
 
 def device_ranges(ids: Iterable[int]) -> str:
-    """``[0, 1, 2, 3, 8]`` -> ``'0-3,8'``: the compact form ``reshard plan`` also reads."""
+    """``[0, 1, 2, 3, 8]`` -> ``'0-3,8'``: the compact form ``reshard plan`` also reads.
+
+    The ids keep their order, which is the layout on a mesh: ``[3, 2, 0, 1]`` ->
+    ``'3,2,0-1'``, which ``--src-devices`` reads back as the same list. Only ascending
+    runs become ranges (``reshard plan`` reads ``7-0`` as a mistake).
+    """
     out: list[str] = []
-    ordered = sorted(ids)
+    given = list(ids)
     i = 0
-    while i < len(ordered):
+    while i < len(given):
         j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+        while j + 1 < len(given) and given[j + 1] == given[j] + 1:
             j += 1
-        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        out.append(str(given[i]) if i == j else f"{given[i]}-{given[j]}")
         i = j + 1
     return ",".join(out)
 
@@ -80,12 +85,19 @@ def block_matrix(leaf_plans: Sequence[LeafPlan], max_blocks: int) -> dict[str, A
             receivers.append(spec.dst[p.dst].device)
             nbytes.append(volume(p.box) * spec.itemsize)
     m = np.zeros((len(src_blocks), len(dst_blocks)), dtype=np.int64)
-    if nbytes:
-        # Vectorised: a plan for thousands of devices has hundreds of thousands of pieces.
-        rows = np.searchsorted(src_ids, senders) // src_size
-        cols = np.searchsorted(dst_ids, receivers) // dst_size
+    if not nbytes:
+        return {"src_blocks": src_blocks, "dst_blocks": dst_blocks, "bytes": m.tolist()}
+    # Vectorised: a plan for thousands of devices has hundreds of thousands of pieces.
+    rows = np.searchsorted(src_ids, senders) // src_size
+    cols = np.searchsorted(dst_ids, receivers) // dst_size
+    if sum(nbytes) <= np.iinfo(np.int64).max:
         np.add.at(m, (rows, cols), np.asarray(nbytes, dtype=np.int64))
-    return {"src_blocks": src_blocks, "dst_blocks": dst_blocks, "bytes": m.tolist()}
+        return {"src_blocks": src_blocks, "dst_blocks": dst_blocks, "bytes": m.tolist()}
+    # Arrays of exabytes (a synthetic plan allows them): cells beyond int64, in Python ints.
+    cells = [[0] * len(dst_blocks) for _ in src_blocks]
+    for r, c, b in zip(rows.tolist(), cols.tolist(), nbytes, strict=True):
+        cells[r][c] += b
+    return {"src_blocks": src_blocks, "dst_blocks": dst_blocks, "bytes": cells}
 
 
 def plan_report(
@@ -185,11 +197,9 @@ def _block_label(ids: Sequence[int]) -> str:
 def heatmap(report: Mapping[str, Any], *, ascii_only: bool = False) -> Text:
     """The transfer matrix as a block-character heatmap: rows send, columns receive."""
     mat = report["matrix"]
-    m = np.asarray(mat["bytes"], dtype=np.int64).reshape(
-        len(mat["src_blocks"]), len(mat["dst_blocks"])
-    )
+    m: list[list[int]] = mat["bytes"]  # Python ints: cells may exceed int64
     out = Text()
-    peak = int(m.max()) if m.size else 0
+    peak = max((max(row, default=0) for row in m), default=0)
     if peak == 0:
         out.append("transfer matrix: nothing moves (every destination byte is already in place)")
         return out
@@ -214,7 +224,7 @@ def heatmap(report: Mapping[str, Any], *, ascii_only: bool = False) -> Text:
     for label, row in zip(labels, m, strict=True):
         out.append(label.rjust(pad) + " ", style="bold")
         for v in row:
-            level = 0 if v == 0 else max(1, math.ceil(4 * int(v) / peak))
+            level = 0 if v == 0 else max(1, -(-4 * v // peak))  # ceil, exact
             out.append((shades[level] * 2).rjust(width), style=_COLOURS[level])
         out.append("\n")
     out.append(f"{'':>{pad}} ")
