@@ -137,7 +137,7 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
         donated: dict[int, tuple[jax.Array, jax.Array]] = {}
-        kept: set[tuple[int, int]] = set()  # buffers an output took over unchanged
+        kept: set[Key] = set()  # buffers an output took over unchanged
         for (i, _leaf), src, lp, a in zip(planned, sources, plan.leaf_plans, alias, strict=True):
             donated.setdefault(id(values[i]), (values[i], src))
             if a and lp.reused:
@@ -155,7 +155,13 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
                 kept.update(k for k in _compat.buffer_keys(data) if k in held)
         rehome = _donate(list(donated.values()), kept)
         if rehome:
-            _rehome(rehome, out, [i for i, _ in planned] + given)
+            # Outputs that may hold a donated buffer: those handed shards over.
+            takers = [
+                i
+                for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True)
+                if a and lp.reused
+            ]
+            _rehome(rehome, out, takers + given)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -227,15 +233,15 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
     return whole
 
 
-Rehome = tuple[jax.Array, jax.Array, set[tuple[int, int]]]
+Key = tuple[int, int]  # a buffer, by ``_compat.buffer_keys``: (device id, address)
+# A donated array to re-home: the array, its data (key data for key arrays), its
+# buffers by key, and the keys no output took over.
+Rehome = tuple[jax.Array, jax.Array, dict[Key, jax.Array], set[Key]]
 
 
-def _donate(
-    arrays: Sequence[tuple[jax.Array, jax.Array]], kept: set[tuple[int, int]]
-) -> list[Rehome]:
-    """Frees the ``(array, its data)`` pairs whose buffers (by ``_compat.buffer_keys``)
-    no output took over (``kept``), and returns those an output did take buffers of,
-    with the keys of their other buffers, for ``_rehome``.
+def _donate(arrays: Sequence[tuple[jax.Array, jax.Array]], kept: set[Key]) -> list[Rehome]:
+    """Frees the ``(array, its data)`` pairs whose buffers no output took over
+    (``kept``), and returns those an output did take buffers of, for ``_rehome``.
 
     One buffer may belong to several of the arrays (one array at two leaves, or two
     arrays sharing buffers, as an earlier reshard's output and its input do). Arrays
@@ -254,7 +260,7 @@ def _donate(
             a = group[a]
         return a
 
-    first: dict[tuple[int, int], int] = {}
+    first: dict[Key, int] = {}
     for a, (_, _, bufs) in enumerate(found):
         for k in bufs:
             group[root(a)] = root(first.setdefault(k, a))
@@ -268,7 +274,7 @@ def _donate(
                 found[a][0].delete()
         elif len(linked) == 1:
             x, data, bufs = found[linked[0]]
-            rehome.append((x, data, {k for k in bufs if k not in kept}))
+            rehome.append((x, data, bufs, {k for k in bufs if k not in kept}))
     return rehome
 
 
@@ -278,8 +284,9 @@ def _data(v: jax.Array) -> jax.Array:
 
 
 def _rehome(items: Sequence[Rehome], out: list[Any], outputs: Sequence[int]) -> None:
-    """Makes each donated array of ``items`` read as deleted while the outputs in
-    ``out`` keep the buffers they took over from it, and frees its other buffers.
+    """Makes each donated array of ``items`` read as deleted while the outputs at
+    ``outputs`` of ``out`` keep the buffers they took over from it, and frees its
+    other buffers.
 
     A donating identity hands each array's buffers to a new array (XLA aliases them,
     nothing is copied; where JAX declines, say for a numpy view of a shard, it copies
@@ -287,22 +294,16 @@ def _rehome(items: Sequence[Rehome], out: list[Any], outputs: Sequence[int]) -> 
     deleted. Only this process's buffers are touched; on a process that holds none of
     an array's devices there is nothing to hand over.
     """
-    # The outputs' buffers (at indices ``outputs``), found before the identity frees
-    # the old handles.
-    found: dict[int, tuple[Any, dict[int, jax.Array], dict[int, tuple[int, int]]]] = {}
-    for i in outputs:
-        data = _data(out[i])
-        bufs = _compat.device_buffers(data)
-        found[i] = (data, bufs, {d: (d, b.unsafe_buffer_pointer()) for d, b in bufs.items()})
+    # The outputs' buffers, found before the identity frees the old handles.
+    found = {i: _compat.buffer_keys(_data(out[i])) for i in outputs}
     by_devices: dict[frozenset[Any], list[Rehome]] = collections.defaultdict(list)
     for item in items:
         by_devices[frozenset(item[1].sharding.device_set)].append(item)
-    remap: dict[tuple[int, int], jax.Array] = {}  # old buffer key -> its new home
+    remap: dict[Key, jax.Array] = {}  # old buffer key -> its new home
     unused: list[jax.Array] = []  # new homes of buffers no output took over
     for group in by_devices.values():
-        old = [_compat.buffer_keys(data) for _, data, _ in group]
-        new = _compat.donating_identity([data for _, data, _ in group])
-        for (x, _, free), had, n in zip(group, old, new, strict=True):
+        new = _compat.donating_identity([data for _, data, _, _ in group])
+        for (x, _, had, free), n in zip(group, new, strict=True):
             home = _compat.device_buffers(n)
             for k in had:
                 if k in free:
@@ -311,16 +312,15 @@ def _rehome(items: Sequence[Rehome], out: list[Any], outputs: Sequence[int]) -> 
                     remap[k] = home[k[0]]
             if not x.is_deleted():  # JAX copied some buffers, or had none to donate
                 x.delete()
-    for i, (data, bufs, held) in found.items():
-        if not any(k in remap for k in held.values()):
+    for i, held in found.items():
+        if not any(k in remap for k in held):
             continue
-        devices = _compat.addressable_devices(data.sharding)
-        parts = [remap.get(held[d.id], bufs[d.id]) for d in devices]
-        rebuilt = _compat.assemble(data.shape, data.dtype, data.sharding, parts, devices)
-        if data is not out[i]:  # a key array: wrap its new key data
-            out[i] = jax.random.wrap_key_data(rebuilt, impl=jax.random.key_impl(out[i]))
+        parts = [remap.get(k, b) for k, b in held.items()]
+        if jax.dtypes.issubdtype(out[i].dtype, jax.dtypes.prng_key):
+            data = _compat.with_buffers(jax.random.key_data(out[i]), parts)
+            out[i] = jax.random.wrap_key_data(data, impl=jax.random.key_impl(out[i]))
         else:
-            out[i] = _compat.finish(rebuilt, out[i].aval, fresh=True)
+            out[i] = _compat.with_buffers(out[i], parts)
     for b in unused:
         b.delete()
 
