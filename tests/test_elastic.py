@@ -339,7 +339,9 @@ def test_recover_random_trees_exact_or_names_what_is_lost(case):
         for k, v in values.items():
             assert y[k].sharding == dst[k]
             assert np.asarray(y[k]).tobytes() == v.tobytes(), k
-        if not donate:
+        if donate:  # consumed whole: never left with some buffers freed
+            assert all(v.is_deleted() for v in x.values())
+        else:
             assert {k: shard_bytes(v) for k, v in x.items()} == before
         return
 
@@ -359,6 +361,38 @@ def test_recover_random_trees_exact_or_names_what_is_lost(case):
     # Nothing moved and nothing was freed, even with donate=True.
     assert not any(v.is_deleted() for v in x.values())
     assert {k: shard_bytes(v) for k, v in x.items()} == before
+
+
+def test_donated_recovery_runs_nothing_on_lost_devices(monkeypatch):
+    # Survivors keep their shards (the same layout, minus lost devices' replicas). The
+    # donated input is consumed without a program over its devices, since a lost device
+    # cannot run one: its kept shards are copied, and it is freed whole.
+    from reshard import _compat
+
+    ran = []
+    real = _compat.donating_identity
+    monkeypatch.setattr(
+        _compat, "donating_identity", lambda xs: ran.append(xs[0].sharding.device_set) or real(xs)
+    )
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    survivors = mesh_of((1, 4), ("data", "fsdp"), [0, 1, 2, 3])
+    value = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+    lost = {4, 5}
+    x = make_leaf(value, NamedSharding(full, P("fsdp")), lost)
+    dst = NamedSharding(survivors, P("fsdp"))
+    y = reshard.recover(x, dst, lost, donate=True)
+    assert x.is_deleted() and y.sharding == dst
+    np.testing.assert_array_equal(np.asarray(y), value)
+    assert not any(d.id in lost for devices in ran for d in devices)
+    # Without lost devices the same move hands the kept shards over.
+    x = make_leaf(value, NamedSharding(full, P("fsdp")), set())
+    x = jax.jit(lambda v: v.copy())(x)  # XLA's own buffers, which it can donate
+    kept = {
+        s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards if s.device.id < 4
+    }
+    y = reshard.reshard(x, dst, donate=True)
+    assert x.is_deleted()
+    assert {s.device: s.data.unsafe_buffer_pointer() for s in y.addressable_shards} == kept
 
 
 def test_recover_onto_a_mesh_reads_only_survivors():

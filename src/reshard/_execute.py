@@ -175,8 +175,10 @@ def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
     - ``may_alias=False``: copied.
     - Donating: handed over; the input is then re-homed (``_rehome``), so it reads
       as deleted while its output keeps the buffers, as ``jax.device_put`` does.
-      Arrays a donating identity cannot take over (no elements; ``unpinned_host``,
-      where XLA runs nothing) are copied instead, and their input freed whole.
+      Arrays a donating identity cannot or must not take over are copied instead,
+      and their input freed whole: those with no elements, in ``unpinned_host``
+      (where XLA runs nothing), or with a shard on a device to avoid (a lost device
+      must not run a program).
     - ``may_alias=True``: handed over; the input stays valid and shares them.
     - ``None`` (the default): handed over only where every destination shard is
       unchanged, where ``jax.device_put`` too returns the input's buffers. An array
@@ -191,7 +193,10 @@ def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
         elif donate:
             src = leaf.src_sharding
             memory_kind = None if src is None else src.memory_kind
-            out.append(math.prod(leaf.shape) > 0 and memory_kind != "unpinned_host")
+            on_avoided = any(s.device in plan.avoid_devices for s in lp.spec.src)
+            out.append(
+                math.prod(leaf.shape) > 0 and memory_kind != "unpinned_host" and not on_avoided
+            )
         else:
             out.append(may_alias is True or len(lp.reused) == len(lp.spec.dst))
     return out
