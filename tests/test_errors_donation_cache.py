@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import place, pointers
+from helpers import check_result, place, pointers
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -242,8 +242,25 @@ def test_donating_two_arrays_that_share_buffers(executor):
         for k, v in out.items():
             assert not v.is_deleted() and v.sharding == dst[k]
             np.testing.assert_array_equal(np.asarray(v), truth)
-        # Kept: out["x"] holds the buffers both inputs share. Else both are freed.
-        assert x.is_deleted() == y.is_deleted() == (not keep)
+        # Both consumed. Kept: out["x"] holds a copy of what both inputs shared
+        # (donating one would free it under the other).
+        assert x.is_deleted() and y.is_deleted()
+
+
+@pytest.mark.parametrize("executor", ["host", "device", "collective"])
+def test_donating_arrays_on_one_device_set_in_two_orders(executor):
+    # Two donated arrays keep shards on devices {0, 1}, listed in other orders: one jit
+    # cannot take both. It used to fail after freeing the other inputs.
+    truth = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    a, b = place(truth, sharding([0, 1])), place(truth, sharding([1, 0]))
+    gone = place(truth, sharding([2, 3]))
+    before = {"a": pointers(a)[DEVS[0]], "b": pointers(b)[DEVS[0]]}
+    dst = {"a": sharding([0, 4]), "b": sharding([5, 0]), "gone": sharding([6, 7])}
+    out = reshard.reshard({"a": a, "b": b, "gone": gone}, dst, donate=True, executor=executor)
+    assert a.is_deleted() and b.is_deleted() and gone.is_deleted()
+    for k, v in out.items():
+        check_result(v, truth, dst[k])
+    assert {k: pointers(out[k])[DEVS[0]] for k in before} == before  # handed over
 
 
 def test_donating_leaves_that_jax_device_put_moves():

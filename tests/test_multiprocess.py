@@ -351,6 +351,24 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         out = reshard.reshard({"y": y, "z": z}, {"y": sh, "z": other}, donate=True)
         check(out["y"], a, sh)
         check(out["z"], a, other)
+        expect(y.is_deleted() and z.is_deleted(), "donated inputs that share buffers survived")
+        # The same on the last process's devices only: the others see no sharing, and
+        # every process must still end alike (both consumed).
+        last = devs[-2:]
+        p = owned(a, ns(last, ("r",), P()))
+        q = reshard.reshard(p, ns(last[::-1], ("r",), P()))  # unchanged: shares it all
+        moved = {"p": ns(last, ("r",), P()), "q": ns(devs[:2], ("s",), P())}
+        out = reshard.reshard({"p": p, "q": q}, moved, donate=True)
+        check(out["p"], a, moved["p"])
+        check(out["q"], a, moved["q"])
+        expect(p.is_deleted() and q.is_deleted(), "linked donated inputs survived")
+        # Kept shards of two donated arrays on one device set in two orders.
+        r, t = owned(a, ns(devs[:2], ("r",), P("r"))), owned(a, ns(devs[1::-1], ("r",), P("r")))
+        moved = {"r": ns(devs[[0, -1]], ("r",), P("r")), "t": ns(devs[[-1, 0]], ("r",), P("r"))}
+        out = reshard.reshard({"r": r, "t": t}, moved, donate=True)
+        check(out["r"], a, moved["r"])
+        check(out["t"], a, moved["t"])
+        expect(r.is_deleted() and t.is_deleted(), "donated inputs in two orders survived")
         # Split parts of a mesh across processes, joined (which donates): deleted on
         # every process, also those that hold none of a part's devices.
         grid = ns(devs.reshape(2, -1), ("p", "d"), P("p"))

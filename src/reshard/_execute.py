@@ -153,15 +153,13 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             if data.size:
                 held = _compat.buffer_keys(_data(out[i]))
                 kept.update(k for k in _compat.buffer_keys(data) if k in held)
-        rehome = _donate(list(donated.values()), kept)
-        if rehome:
-            # Outputs that may hold a donated buffer: those handed shards over.
-            takers = [
-                i
-                for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True)
-                if a and lp.reused
-            ]
-            _rehome(rehome, out, takers + given)
+        # Outputs that may hold a donated buffer: those handed shards over.
+        takers = [
+            i
+            for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True)
+            if a and lp.reused
+        ]
+        _donate(list(donated.values()), kept, out, takers + given)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -239,22 +237,31 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
 
 
 Key = tuple[int, int]  # a buffer, by ``_compat.buffer_keys``: (device id, address)
-# A donated array to re-home: the array, its data (key data for key arrays), its
-# buffers by key, and the keys no output took over.
-Rehome = tuple[jax.Array, jax.Array, dict[Key, jax.Array], set[Key]]
 
 
-def _donate(arrays: Sequence[tuple[jax.Array, jax.Array]], kept: set[Key]) -> list[Rehome]:
-    """Frees the ``(array, its data)`` pairs whose buffers no output took over
-    (``kept``), and returns those an output did take buffers of, for ``_rehome``.
+def _donate(
+    arrays: Sequence[tuple[jax.Array, jax.Array]],
+    kept: set[Key],
+    out: list[Any],
+    outputs: Sequence[int],
+) -> None:
+    """Consumes the donated ``(array, its data)`` pairs: each reads as deleted after,
+    and its buffers are freed except those outputs took over (``kept``), which the
+    outputs at ``outputs`` of ``out`` keep (rebuilt on new handles where needed).
 
-    One buffer may belong to several of the arrays (one array at two leaves, or two
-    arrays sharing buffers, as an earlier reshard's output and its input do). Arrays
-    linked by shared buffers are decided together: freed together when no output took
-    over any of their buffers, else left as they are (valid, holding every buffer),
-    since handing one of them over would free a buffer under another. So no array is
-    ever left with some of its buffers freed (it would read as valid, and reading it
-    would crash the process).
+    - An array no output took a buffer of is deleted.
+    - One that an output took buffers of is re-homed: a donating identity hands its
+      buffers to a new array (XLA aliases them, nothing is copied; where JAX declines,
+      for a numpy view of a shard say, it copies those), the outputs are rebuilt on
+      the new handles, and the array is deleted.
+    - Arrays linked by shared buffers (one array's output passed with it, say) cannot
+      be donated one by one, since that would free a buffer under another: the
+      outputs get copies of the kept buffers they share, and the arrays are deleted.
+
+    Every process reaches the same end (each input deleted), whatever sharing it sees
+    in its own buffers. Nothing is deleted before every copy and identity has run, so
+    no array is ever left reading as valid with some buffers freed (using it would
+    crash the process).
     """
     found = [(x, data, _compat.buffer_keys(data)) for x, data in arrays]
     group = list(range(len(found)))  # union-find over arrays that share a buffer
@@ -272,15 +279,44 @@ def _donate(arrays: Sequence[tuple[jax.Array, jax.Array]], kept: set[Key]) -> li
     members: dict[int, list[int]] = collections.defaultdict(list)
     for a in range(len(found)):
         members[root(a)].append(a)
-    rehome: list[Rehome] = []
+    rehome: dict[tuple[Any, ...], list[int]] = collections.defaultdict(list)
+    shared: dict[Key, jax.Array] = {}  # kept buffers of linked arrays, to copy
     for linked in members.values():
-        if not any(k in kept for a in linked for k in found[a][2]):
-            for a in linked:
-                found[a][0].delete()
-        elif len(linked) == 1:
-            x, data, bufs = found[linked[0]]
-            rehome.append((x, data, bufs, {k for k in bufs if k not in kept}))
-    return rehome
+        if len(linked) == 1 and any(k in kept for k in found[linked[0]][2]):
+            data = found[linked[0]][1]
+            # One identity per device assignment (jit takes no two device orders).
+            by = _compat.ordered_devices(data.sharding) if _compat.USE_PRIVATE else (id(data),)
+            rehome[by].append(linked[0])
+        elif len(linked) > 1:
+            shared.update((k, b) for a in linked for k, b in found[a][2].items() if k in kept)
+
+    remap: dict[Key, jax.Array] = {}  # an output's old buffer -> its new one
+    unused: list[jax.Array] = []  # new handles of buffers no output took over
+    if rehome or shared:
+        # The outputs' buffers, read before the identity invalidates the old handles.
+        held = {i: _compat.buffer_keys(_data(out[i])) for i in outputs}
+        if shared:
+            copies = jax.device_put(
+                list(shared.values()), [b.sharding for b in shared.values()], may_alias=False
+            )
+            remap.update(zip(shared, copies, strict=True))
+        for group_of in rehome.values():
+            new = _compat.donating_identity([found[a][1] for a in group_of])
+            for a, n in zip(group_of, new, strict=True):
+                home = _compat.device_buffers(n)
+                for k in found[a][2]:
+                    if k in kept:
+                        remap[k] = home[k[0]]
+                    else:
+                        unused.append(home[k[0]])
+        for i, keys in held.items():
+            if any(k in remap for k in keys):
+                _with_new_buffers(out, i, [remap.get(k, b) for k, b in keys.items()])
+    for x, _, _ in found:
+        if not x.is_deleted():  # (re-homed ones read as deleted already)
+            x.delete()
+    for b in unused:
+        b.delete()
 
 
 def _data(v: jax.Array) -> jax.Array:
@@ -288,46 +324,13 @@ def _data(v: jax.Array) -> jax.Array:
     return jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
 
 
-def _rehome(items: Sequence[Rehome], out: list[Any], outputs: Sequence[int]) -> None:
-    """Makes each donated array of ``items`` read as deleted while the outputs at
-    ``outputs`` of ``out`` keep the buffers they took over from it, and frees its
-    other buffers.
-
-    A donating identity hands each array's buffers to a new array (XLA aliases them,
-    nothing is copied; where JAX declines, say for a numpy view of a shard, it copies
-    those). The outputs are rebuilt on the new array's buffers, then the input is
-    deleted. Only this process's buffers are touched; on a process that holds none of
-    an array's devices there is nothing to hand over.
-    """
-    # The outputs' buffers, found before the identity frees the old handles.
-    found = {i: _compat.buffer_keys(_data(out[i])) for i in outputs}
-    by_devices: dict[frozenset[Any], list[Rehome]] = collections.defaultdict(list)
-    for item in items:
-        by_devices[frozenset(item[1].sharding.device_set)].append(item)
-    remap: dict[Key, jax.Array] = {}  # old buffer key -> its new home
-    unused: list[jax.Array] = []  # new homes of buffers no output took over
-    for group in by_devices.values():
-        new = _compat.donating_identity([data for _, data, _, _ in group])
-        for (x, _, had, free), n in zip(group, new, strict=True):
-            home = _compat.device_buffers(n)
-            for k in had:
-                if k in free:
-                    unused.append(home[k[0]])
-                else:
-                    remap[k] = home[k[0]]
-            if not x.is_deleted():  # JAX copied some buffers, or had none to donate
-                x.delete()
-    for i, held in found.items():
-        if not any(k in remap for k in held):
-            continue
-        parts = [remap.get(k, b) for k, b in held.items()]
-        if jax.dtypes.issubdtype(out[i].dtype, jax.dtypes.prng_key):
-            data = _compat.with_buffers(jax.random.key_data(out[i]), parts)
-            out[i] = jax.random.wrap_key_data(data, impl=jax.random.key_impl(out[i]))
-        else:
-            out[i] = _compat.with_buffers(out[i], parts)
-    for b in unused:
-        b.delete()
+def _with_new_buffers(out: list[Any], i: int, parts: list[jax.Array]) -> None:
+    """Replaces ``out[i]`` with the same array over ``parts`` (its data's, for keys)."""
+    if jax.dtypes.issubdtype(out[i].dtype, jax.dtypes.prng_key):
+        data = _compat.with_buffers(jax.random.key_data(out[i]), parts)
+        out[i] = jax.random.wrap_key_data(data, impl=jax.random.key_impl(out[i]))
+    else:
+        out[i] = _compat.with_buffers(out[i], parts)
 
 
 def _moved_sharding(leaf: LeafInfo) -> Sharding:
