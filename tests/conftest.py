@@ -13,6 +13,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -28,3 +29,12 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def handover_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Donating, hand every kept shard over, however small: by default arrays keeping
+    under ``_execute.HANDOVER_BYTES`` in place copy them (cheaper than re-homing)."""
+    from reshard import _execute
+
+    monkeypatch.setattr(_execute, "HANDOVER_BYTES", 0)

@@ -128,7 +128,9 @@ def test_finish_shares_buffers_and_sets_the_aval_where_jax_allows(private):
 
 
 @pytest.mark.parametrize("executor", ["host", "device"])
-def test_donating_an_array_that_partly_stays_is_the_same_either_way(private, executor):
+def test_donating_an_array_that_partly_stays_is_the_same_either_way(
+    handover_all, private, executor
+):
     # The re-homed output (donating identity, then with_buffers) on both paths.
     src = _ns(range(8), P("a"))
     dst = _ns([0, 1, 2, 3, 7, 6, 5, 4], P("a"))

@@ -363,7 +363,7 @@ def test_recover_random_trees_exact_or_names_what_is_lost(case):
     assert {k: shard_bytes(v) for k, v in x.items()} == before
 
 
-def test_donated_recovery_runs_nothing_on_lost_devices(monkeypatch):
+def test_donated_recovery_runs_nothing_on_lost_devices(handover_all, monkeypatch):
     # Survivors keep their shards (the same layout, minus lost devices' replicas). The
     # donated input is consumed without a program over its devices, since a lost device
     # cannot run one: its kept shards are copied, and it is freed whole.

@@ -109,7 +109,7 @@ def test_donated_input_cannot_be_reused(tree):
 
 @pytest.mark.parametrize("executor", ["host", "device", "collective"])
 @pytest.mark.parametrize("kept_first", [True, False])
-def test_donating_an_array_that_stands_at_two_leaves(executor, kept_first):
+def test_donating_an_array_that_stands_at_two_leaves(handover_all, executor, kept_first):
     # One leaf keeps the array's sharding (its shards are handed over), the other is
     # relaid. Donated once, the handed-over shards must live on in the output: freeing
     # the array for the relaid leaf used to delete them, or fail on the second leaf.
@@ -154,7 +154,9 @@ def _input(kind, src):
 
 @pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
 @pytest.mark.parametrize("kind", ["float", "weak", "key", "pinned_host"])
-def test_donating_an_array_that_partly_stays_consumes_it(monkeypatch, executor, pack_on_host, kind):
+def test_donating_an_array_that_partly_stays_consumes_it(
+    handover_all, monkeypatch, executor, pack_on_host, kind
+):
     # Devices 0-3 keep their shards, 4-7 trade places. The output holds the kept
     # buffers unchanged and the input reads as deleted, as jax.device_put's does. It
     # used to read as valid with its other buffers freed: using it crashed the process.
@@ -180,6 +182,29 @@ def test_donating_an_array_that_partly_stays_consumes_it(monkeypatch, executor, 
         assert shard.index == dst.devices_indices_map(truth.shape)[shard.device]
         np.testing.assert_array_equal(np.asarray(shard.data), truth[shard.index])
     np.testing.assert_array_equal(np.asarray(_key_data(jax.jit(lambda v: v)(y))), truth)
+
+
+@pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
+def test_donating_copies_what_small_arrays_keep_and_hands_big_ones_over(
+    monkeypatch, executor, pack_on_host
+):
+    # Re-homing an input costs more than copying a few KiB, so an array keeping under
+    # HANDOVER_BYTES in place is copied and its input freed whole; a bigger one's
+    # kept shards are handed over. Both inputs read as deleted.
+    if pack_on_host is not None:
+        monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    src, dst = sharding(range(8)), sharding(TRADED)
+    small = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    big = np.arange(8 * 131072, dtype=np.float32).reshape(8, 131072)  # keeps 2 MiB
+    x = {"small": place(small, src), "big": place(big, src)}
+    before = {k: pointers(v) for k, v in x.items()}
+    y = reshard.reshard(x, dst, donate=True, executor=executor)
+    assert x["small"].is_deleted() and x["big"].is_deleted()
+    check_result(y["small"], small, dst)
+    check_result(y["big"], big, dst)
+    stays = [d for d in before["big"] if d.id in STAYS]
+    assert not set(pointers(y["small"]).values()) & set(before["small"].values())
+    assert [pointers(y["big"])[d] for d in stays] == [before["big"][d] for d in stays]
 
 
 @pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
@@ -248,7 +273,7 @@ def test_donating_two_arrays_that_share_buffers(executor):
 
 
 @pytest.mark.parametrize("executor", ["host", "device", "collective"])
-def test_donating_arrays_on_one_device_set_in_two_orders(executor):
+def test_donating_arrays_on_one_device_set_in_two_orders(handover_all, executor):
     # Two donated arrays keep shards on devices {0, 1}, listed in other orders: one jit
     # cannot take both. It used to fail after freeing the other inputs.
     truth = np.arange(32.0, dtype=np.float32).reshape(8, 4)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +11,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from . import _compat
+from ._geometry import volume
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
 from ._plan import HOST, KEY, LeafInfo, Plan
 
@@ -163,6 +163,11 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+# Donating, unchanged shards are handed over (not copied) where an array keeps at
+# least this many bytes in place (see ``aliases``).
+HANDOVER_BYTES = 1 << 20
+
+
 def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
     """Per planned array: whether its destination shards that equal a source shard on
     the same device are handed over (the output holds that very buffer) or copied.
@@ -171,12 +176,13 @@ def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
     collective executor's programs depend on it):
 
     - ``may_alias=False``: copied.
-    - Donating: handed over; the input is then re-homed (``_rehome``), so it reads
-      as deleted while its output keeps the buffers, as ``jax.device_put`` does.
-      Arrays a donating identity cannot or must not take over are copied instead,
-      and their input freed whole: those with no elements, in ``unpinned_host``
-      (where XLA runs nothing), or with a shard on a device to avoid (a lost device
-      must not run a program).
+    - Donating: handed over where they hold ``HANDOVER_BYTES`` or more; the input is
+      then re-homed (``_donate``), so it reads as deleted while its output keeps the
+      buffers, as ``jax.device_put`` does. Re-homing costs ~0.1-0.2 ms per array on
+      CPU, more than copying a small array's kept shards, so smaller ones are copied
+      and their input freed whole. So are arrays a donating identity cannot or must
+      not take over: those in ``unpinned_host`` (where XLA runs nothing), or with a
+      shard on a device to avoid (a lost device must not run a program).
     - ``may_alias=True``: handed over; the input stays valid and shares them.
     - ``None`` (the default): handed over only where every destination shard is
       unchanged, where ``jax.device_put`` too returns the input's buffers. An array
@@ -192,8 +198,9 @@ def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
             src = leaf.src_sharding
             memory_kind = None if src is None else src.memory_kind
             on_avoided = any(s.device in plan.avoid_devices for s in lp.spec.src)
+            kept = sum(volume(lp.spec.dst[di].box) for di, _ in lp.reused) * lp.spec.itemsize
             out.append(
-                math.prod(leaf.shape) > 0 and memory_kind != "unpinned_host" and not on_avoided
+                kept >= max(HANDOVER_BYTES, 1) and memory_kind != "unpinned_host" and not on_avoided
             )
         else:
             out.append(may_alias is True or len(lp.reused) == len(lp.spec.dst))
