@@ -68,8 +68,8 @@ def reshard(
         of ``x`` (one sharding then covers a whole subtree); a ``jax.Device`` stands
         for its ``SingleDeviceSharding``, as in ``jax.device_put``.
       donate: consume the sources once the whole pytree has been moved (they then
-        read as deleted); shards that stay on their device are handed over without a
-        copy. A failure frees nothing.
+        read as deleted); an array keeping 1 MiB or more on its devices hands those
+        shards over without a copy. A failure frees nothing.
       may_alias: ``None`` hands shards that stay on their device to the output only
         where the whole array is unchanged (as ``jax.device_put``); an array that
         changes in part comes back as a copy sharing no buffer with ``x``. ``True``

@@ -75,9 +75,9 @@ class Plan:
         Args:
           x: the pytree to move.
           donate: consume the source arrays after the whole pytree has been moved
-            (never before: a failure leaves every input intact). Shards that stay on
-            their device are handed to the output without a copy; the inputs read as
-            deleted.
+            (never before: a failure leaves every input intact); they then read as
+            deleted. An array that keeps ``_execute.HANDOVER_BYTES`` (1 MiB) or more
+            on its devices hands those shards to the output without a copy.
           may_alias: for shards that stay on their device, without ``donate``:
             ``None`` hands them over only where the whole array is unchanged (as
             ``jax.device_put`` does), else copies them, so the output shares no
