@@ -288,6 +288,23 @@ def test_donating_arrays_on_one_device_set_in_two_orders(handover_all, executor)
     assert {k: pointers(out[k])[DEVS[0]] for k in before} == before  # handed over
 
 
+@pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])
+def test_donating_an_empty_array_twice_beside_one_handed_over(
+    handover_all, monkeypatch, pack_on_host
+):
+    # The empty array is copied (nothing to hand over), the other handed over: the
+    # empty pieces in the device-packed program failed to compile (jax 0.10, Shardy).
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    empty = np.zeros((0, 24), np.float32)
+    truth = np.arange(48.0, dtype=np.float32)
+    zero, x = place(empty, sharding(range(8), P(None, "a"))), place(truth, sharding([6, 7]))
+    dst = [zero.sharding, x.sharding, zero.sharding]
+    out = reshard.reshard([zero, x, zero], dst, executor="collective", donate=True)
+    assert zero.is_deleted() and x.is_deleted()
+    for y, v, d in zip(out, [empty, truth, empty], dst, strict=True):
+        check_result(y, v, d)
+
+
 def test_donating_leaves_that_jax_device_put_moves():
     # Key arrays on a sharding that is neither named nor single-device (JAX's internal
     # GSPMDSharding here) go through jax.device_put; donated, they are freed too, and

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from . import _compat
-from ._geometry import box_shape, relative_offsets
+from ._geometry import box_shape, relative_offsets, volume
 from ._planner import LeafPlan
 
 AXIS = "r"  # the union mesh's only axis
@@ -133,7 +133,9 @@ def _leaf_copies(
                 relative_offsets(p.box, d.box),
             )
         )
-    if not alias:  # not handed over: unchanged shards are copied too
+    if not alias and volume(spec.dst[0].box) > 0:  # not handed over: copied too
+        # (An array with no elements has nothing to copy: empty pieces in a
+        # device-packed program beside a handed-over array fail to compile, jax 0.10.)
         for di, si in lp.reused:
             s, d = spec.src[si], spec.dst[di]
             zero = (0,) * len(spec.shape)
