@@ -159,7 +159,7 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True)
             if a and lp.reused
         ]
-        _donate(list(donated.values()), kept, out, takers + given)
+        _donate(list(donated.values()), kept, out, takers + given, plan.avoid_devices)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -251,6 +251,7 @@ def _donate(
     kept: set[Key],
     out: list[Any],
     outputs: Sequence[int],
+    avoid: frozenset[int] = frozenset(),
 ) -> None:
     """Consumes the donated ``(array, its data)`` pairs: each reads as deleted after,
     and its buffers are freed except those outputs took over (``kept``), which the
@@ -264,6 +265,7 @@ def _donate(
     - Arrays linked by shared buffers (one array's output passed with it, say) cannot
       be donated one by one, since that would free a buffer under another: the
       outputs get copies of the kept buffers they share, and the arrays are deleted.
+      So do arrays no identity may run on (see ``_identity_may_take``).
 
     Every process reaches the same end (each input deleted), whatever sharing it sees
     in its own buffers. Nothing is deleted before every copy and identity has run, so
@@ -289,12 +291,14 @@ def _donate(
     rehome: dict[tuple[Any, ...], list[int]] = collections.defaultdict(list)
     shared: dict[Key, jax.Array] = {}  # kept buffers of linked arrays, to copy
     for linked in members.values():
-        if len(linked) == 1 and any(k in kept for k in found[linked[0]][2]):
-            data = found[linked[0]][1]
+        if not any(k in kept for a in linked for k in found[a][2]):
+            continue
+        data = found[linked[0]][1]
+        if len(linked) == 1 and _identity_may_take(data, avoid):
             # One identity per device assignment (jit takes no two device orders).
             by = _compat.ordered_devices(data.sharding) if _compat.USE_PRIVATE else (id(data),)
             rehome[by].append(linked[0])
-        elif len(linked) > 1:
+        else:
             shared.update((k, b) for a in linked for k, b in found[a][2].items() if k in kept)
 
     remap: dict[Key, jax.Array] = {}  # an output's old buffer -> its new one
@@ -324,6 +328,15 @@ def _donate(
             x.delete()
     for b in unused:
         b.delete()
+
+
+def _identity_may_take(data: jax.Array, avoid: frozenset[int]) -> bool:
+    """Whether a donating identity may run on ``data``: not in ``unpinned_host``, where
+    XLA runs nothing (jax 0.10 on CPU aborts), nor on a device to avoid (a lost device
+    cannot run a program)."""
+    s = data.sharding
+    devices: Any = s.device_set
+    return s.memory_kind != "unpinned_host" and not any(d.id in avoid for d in devices)
 
 
 def _data(v: jax.Array) -> jax.Array:
