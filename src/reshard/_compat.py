@@ -209,7 +209,8 @@ def finish(x: jax.Array, aval: Any, fresh: bool) -> jax.Array:
 
 # One jitted identity for everything: the cache keys on the arguments' avals and
 # shardings, and donation makes XLA alias every output to its input buffer. Its
-# arguments must share one device set (one jit call) and no buffer.
+# arguments must share one device assignment, order included (one jit call), and no
+# buffer.
 donating_identity: Callable[[list[jax.Array]], list[jax.Array]] = jax.jit(
     lambda arrays: arrays, donate_argnums=0
 )
