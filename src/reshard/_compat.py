@@ -9,6 +9,7 @@ that both paths give the same result.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,41 +17,28 @@ import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
-try:  # pragma: no cover - exercised on whichever JAX is installed
-    from jax._src import core as _core
-    from jax._src.interpreters import pxla as _pxla
 
-    _batched_device_put: Any = _pxla.batched_device_put
-    _ShapedArray: Any = _core.ShapedArray
-except Exception:  # pragma: no cover
-    _batched_device_put = None
-    _ShapedArray = None
-try:  # pragma: no cover - exercised on whichever JAX is installed
-    from jax._src import dispatch as _dispatch
+def _private(module: str, path: str) -> Any:
+    """``module``'s attribute at dotted ``path`` (a private JAX API), or ``None`` where
+    this JAX has no such thing: every caller then takes its public fallback."""
+    try:  # pragma: no cover - exercised on whichever JAX is installed
+        found: Any = importlib.import_module(module)
+        for name in path.split("."):
+            found = getattr(found, name)
+        return found
+    except Exception:  # pragma: no cover
+        return None
 
-    _update_dp_aval: Any = _dispatch.update_dp_aval
-except Exception:  # pragma: no cover
-    _update_dp_aval = None
-try:  # pragma: no cover - exercised on whichever JAX is installed
-    from jax._src import array as _array
 
-    _ArrayImpl: Any = _array.ArrayImpl
-except Exception:  # pragma: no cover
-    _ArrayImpl = None
-try:  # pragma: no cover - exercised on whichever JAX is installed
-    from jax._src.lib import xla_client as _xc
-
-    _batched_copy: Any = _xc.batched_copy_array_to_devices_with_sharding
-    _ALWAYS_COPY: Any = _xc.ArrayCopySemantics.ALWAYS_COPY
-except Exception:  # pragma: no cover
-    _batched_copy = None
-
-try:  # pragma: no cover - exercised on whichever JAX is installed
-    from jax._src import xla_bridge as _xla_bridge
-
-    _backends_are_initialized: Any = _xla_bridge.backends_are_initialized
-except Exception:  # pragma: no cover
-    _backends_are_initialized = None
+_batched_device_put: Any = _private("jax._src.interpreters.pxla", "batched_device_put")
+_ShapedArray: Any = _private("jax._src.core", "ShapedArray")
+_update_dp_aval: Any = _private("jax._src.dispatch", "update_dp_aval")
+_ArrayImpl: Any = _private("jax._src.array", "ArrayImpl")
+_batched_copy: Any = _private(
+    "jax._src.lib", "xla_client.batched_copy_array_to_devices_with_sharding"
+)
+_ALWAYS_COPY: Any = _private("jax._src.lib", "xla_client.ArrayCopySemantics.ALWAYS_COPY")
+_backends_are_initialized: Any = _private("jax._src.xla_bridge", "backends_are_initialized")
 
 # Tests flip this to exercise the public fallbacks.
 USE_PRIVATE = True
