@@ -309,10 +309,10 @@ def test_no_identity_runs_in_unpinned_host_or_on_devices_to_avoid():
     from reshard import _execute
 
     x = place(np.arange(8.0), sharding([0, 1]))
-    assert _execute._identity_may_take(x, frozenset())
-    assert not _execute._identity_may_take(x, frozenset({1}))
+    assert _execute._identity_may_run(x.sharding, frozenset())
+    assert not _execute._identity_may_run(x.sharding, frozenset({1}))
     unpinned = jax.device_put(np.arange(8.0), sharding([0, 1], memory_kind="unpinned_host"))
-    assert not _execute._identity_may_take(unpinned, frozenset())
+    assert not _execute._identity_may_run(unpinned.sharding, frozenset())
 
 
 def test_donating_leaves_that_jax_device_put_moves():

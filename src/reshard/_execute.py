@@ -136,23 +136,25 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
 
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
-        donated: dict[int, tuple[jax.Array, jax.Array]] = {}
+        donated: dict[int, Donated] = {}
         kept: set[Key] = set()  # buffers an output took over unchanged
         for (i, _leaf), src, lp, a in zip(planned, sources, plan.leaf_plans, alias, strict=True):
-            donated.setdefault(id(values[i]), (values[i], src))
+            _, _, keys = donated.setdefault(
+                id(values[i]), (values[i], src, _compat.buffer_keys(src))
+            )
             if a and lp.reused:
                 devices = {lp.spec.src[si].device for _, si in lp.reused}
                 # This process's buffers only: the others' kept shards are theirs.
-                kept.update(k for k in _compat.buffer_keys(src) if k[0] in devices)
+                kept.update(k for k in keys if k[0] in devices)
         for i in given:
             v = values[i]
             data = _data(v)
-            donated.setdefault(id(v), (v, data))
+            _, _, keys = donated.setdefault(id(v), (v, data, _compat.buffer_keys(data)))
             # Asked for a copy, jax.device_put may still hand a buffer over (jax 0.10:
             # key arrays replicated onto more devices): what the output holds is kept.
             if data.size:
                 held = _compat.buffer_keys(_data(out[i]))
-                kept.update(k for k in _compat.buffer_keys(data) if k in held)
+                kept.update(k for k in keys if k in held)
         # Outputs that may hold a donated buffer: those handed shards over.
         takers = [
             i
@@ -195,12 +197,11 @@ def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
         if may_alias is False or not lp.reused:
             out.append(False)
         elif donate:
-            src = leaf.src_sharding
-            memory_kind = None if src is None else src.memory_kind
-            on_avoided = any(s.device in plan.avoid_devices for s in lp.spec.src)
             kept = sum(volume(lp.spec.dst[di].box) for di, _ in lp.reused) * lp.spec.itemsize
+            src = leaf.src_sharding
             out.append(
-                kept >= max(HANDOVER_BYTES, 1) and memory_kind != "unpinned_host" and not on_avoided
+                kept >= max(HANDOVER_BYTES, 1)
+                and (src is None or _identity_may_run(src, plan.avoid_devices))
             )
         else:
             out.append(may_alias is True or len(lp.reused) == len(lp.spec.dst))
@@ -244,16 +245,18 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
 
 
 Key = tuple[int, int]  # a buffer, by ``_compat.buffer_keys``: (device id, address)
+# A donated array, its data (key data for key arrays) and the data's buffers by key.
+Donated = tuple[jax.Array, jax.Array, dict[Key, jax.Array]]
 
 
 def _donate(
-    arrays: Sequence[tuple[jax.Array, jax.Array]],
+    found: Sequence[Donated],
     kept: set[Key],
     out: list[Any],
     outputs: Sequence[int],
     avoid: frozenset[int] = frozenset(),
 ) -> None:
-    """Consumes the donated ``(array, its data)`` pairs: each reads as deleted after,
+    """Consumes the donated arrays ``found``: each reads as deleted after,
     and its buffers are freed except those outputs took over (``kept``), which the
     outputs at ``outputs`` of ``out`` keep (rebuilt on new handles where needed).
 
@@ -265,14 +268,13 @@ def _donate(
     - Arrays linked by shared buffers (one array's output passed with it, say) cannot
       be donated one by one, since that would free a buffer under another: the
       outputs get copies of the kept buffers they share, and the arrays are deleted.
-      So do arrays no identity may run on (see ``_identity_may_take``).
+      So do arrays no identity may run on (see ``_identity_may_run``).
 
     Every process reaches the same end (each input deleted), whatever sharing it sees
     in its own buffers. Nothing is deleted before every copy and identity has run, so
     no array is ever left reading as valid with some buffers freed (using it would
     crash the process).
     """
-    found = [(x, data, _compat.buffer_keys(data)) for x, data in arrays]
     group = list(range(len(found)))  # union-find over arrays that share a buffer
 
     def root(a: int) -> int:
@@ -294,7 +296,7 @@ def _donate(
         if not any(k in kept for a in linked for k in found[a][2]):
             continue
         data = found[linked[0]][1]
-        if len(linked) == 1 and _identity_may_take(data, avoid):
+        if len(linked) == 1 and _identity_may_run(data.sharding, avoid):
             # One identity per device assignment (jit takes no two device orders).
             by = _compat.ordered_devices(data.sharding) if _compat.USE_PRIVATE else (id(data),)
             rehome[by].append(linked[0])
@@ -330,11 +332,10 @@ def _donate(
         b.delete()
 
 
-def _identity_may_take(data: jax.Array, avoid: frozenset[int]) -> bool:
-    """Whether a donating identity may run on ``data``: not in ``unpinned_host``, where
-    XLA runs nothing (jax 0.10 on CPU aborts), nor on a device to avoid (a lost device
-    cannot run a program)."""
-    s = data.sharding
+def _identity_may_run(s: Sharding, avoid: frozenset[int]) -> bool:
+    """Whether a donating identity may run on arrays of sharding ``s``: not in
+    ``unpinned_host``, where XLA runs nothing (jax 0.10 on CPU aborts), nor on a device
+    to avoid (a lost device cannot run a program)."""
     devices: Any = s.device_set
     return s.memory_kind != "unpinned_host" and not any(d.id in avoid for d in devices)
 
