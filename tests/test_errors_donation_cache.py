@@ -94,6 +94,48 @@ def test_mesh_with_a_device_twice(tree):
     assert not tree["w"].is_deleted()
 
 
+def test_unconstrained_destination_dimension(tree):
+    # jax.device_put and jit's out_shardings refuse it; so does a reshard, before moving.
+    dst = sharding([4, 5], P("a", P.UNCONSTRAINED))
+    with pytest.raises(ValueError, match=r"leaf \['w'\]: destination spec .* UNCONSTRAINED"):
+        reshard.reshard(tree, {"w": dst, "b": sharding([2, 3])}, donate=True)
+    assert not tree["w"].is_deleted() and not tree["b"].is_deleted()
+
+
+@pytest.mark.parametrize(
+    "mesh,what",
+    [
+        (jax.sharding.AbstractMesh((2,), ("a",)), r"mesh \(AbstractMesh\) has no devices"),
+        (Mesh(np.empty((0,), object), ("a",)), "has no devices"),
+    ],
+    ids=["abstract-mesh", "empty-mesh"],
+)
+def test_destination_or_source_without_devices(tree, mesh, what):
+    with pytest.raises(ValueError, match=r"leaf \['b'\]: the destination sharding" + ".*" + what):
+        reshard.reshard(tree, {"w": sharding([4, 5]), "b": NamedSharding(mesh, P())})
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        abstract = jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(mesh, P("a")))
+        with pytest.raises(ValueError, match=r"leaf <root>: the source sharding.*" + what):
+            reshard.plan(abstract, sharding([4, 5]))
+
+
+@pytest.mark.parametrize(
+    "leaf,error,message",
+    [
+        ("hello", TypeError, "is not a valid JAX type"),
+        (2**40, OverflowError, "too large to convert"),
+        (np.array([object()]), TypeError, "not a valid JAX array type"),
+    ],
+    ids=["str", "big-int", "object-ndarray"],
+)
+def test_leaf_jax_device_put_refuses_is_named_before_anything_moves(tree, leaf, error, message):
+    # The same exception type as jax.device_put's, raised while planning, with the leaf.
+    tree["cfg"] = leaf
+    with pytest.raises(error, match=r"leaf \['cfg'\]: .*" + message):
+        reshard.reshard(tree, sharding([4, 5, 6, 7], P()), donate=True)
+    assert not tree["w"].is_deleted() and not tree["b"].is_deleted()
+
+
 def test_deleted_input(tree):
     tree["w"].delete()
     with pytest.raises(ValueError, match=r"leaf \['w'\] is a deleted jax.Array"):

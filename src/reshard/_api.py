@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from . import _compat
 from ._errors import DataLossError
@@ -257,7 +257,14 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
                 "data lives is unknown; give it one (ShapeDtypeStruct(..., sharding=...))"
             )
         shape, dtype, src = tuple(v.shape), v.dtype, v.sharding
+        if isinstance(src, Sharding):
+            _check_concrete(where, "source", src)
     else:
+        try:
+            jax.typeof(v)  # what jax.device_put will refuse, refused before any move
+        except (TypeError, ValueError, OverflowError) as e:
+            # The same exception type as jax.device_put's, with the leaf named.
+            raise type(e)(f"leaf {where}: {e}") from None
         shape = tuple(np.shape(v))
         _check_destination(where, shape, dst)
         return LeafInfo(path, HOST, shape, getattr(v, "dtype", None), None, dst)
@@ -293,6 +300,13 @@ def _key_data_sharding(s: Sharding, extra: int) -> Sharding | None:
 
 
 def _check_destination(where: str, shape: tuple[int, ...], dst: Sharding) -> None:
+    _check_concrete(where, "destination", dst)
+    if isinstance(dst, NamedSharding) and PartitionSpec.UNCONSTRAINED in tuple(dst.spec):
+        raise ValueError(
+            f"leaf {where}: destination spec {dst.spec} leaves a dimension "
+            "UNCONSTRAINED; a reshard needs a concrete layout (as jax.device_put does): "
+            "name mesh axes or None for every dimension"
+        )
     if isinstance(dst, NamedSharding) and len(dst.spec) > len(shape):
         raise ValueError(
             f"leaf {where}: destination spec {dst.spec} has {len(dst.spec)} entries but the "
@@ -305,6 +319,16 @@ def _check_destination(where: str, shape: tuple[int, ...], dst: Sharding) -> Non
             f"leaf {where}: shape {shape} cannot be divided by the destination sharding "
             f"{dst}: {e}. Every sharded dimension must be divisible by its shard count"
         ) from None
+
+
+def _check_concrete(where: str, what: str, s: Sharding) -> None:
+    if isinstance(s, NamedSharding) and not isinstance(s.mesh, Mesh):
+        raise ValueError(
+            f"leaf {where}: the {what} sharding's mesh ({type(s.mesh).__name__}) has no "
+            "devices; give a NamedSharding over a concrete jax.sharding.Mesh"
+        )
+    if not s.device_set:
+        raise ValueError(f"leaf {where}: the {what} sharding {s} has no devices")
 
 
 def _check_distinct_devices(where: str, dst: Any) -> None:
