@@ -14,8 +14,10 @@ device-packed (the accelerator path, forced here on CPU).
 
 from __future__ import annotations
 
+import ast
 import math
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -433,6 +435,37 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         same = ns(devs[half:], ("t",), P(None, "t"))
         check(reshard.reshard(x, same), a, same)
 
+    def a_call_failing_on_one_process_is_not_paired_with_its_next() -> None:
+        # Process 1's call fails before its collectives (bad input, caught by the user)
+        # while the others' call waits in them. Process 1's next call would meet that
+        # call in the same collectives (same plan) and both would return each other's
+        # data; the counts of calls each process has started tell them apart, and
+        # every process raises instead, the inputs intact.
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs, ("t",), P(None, "t"))
+        b = _ground_truth(a.shape, a.dtype, 1)
+        x1, x2 = make(a, src), make(b, src)
+        plan = reshard.plan(x1, dst, cache=False)
+        plan.execute(x1)  # checked once by every process (agree), then reused
+        if me == 1:
+            try:
+                reshard.reshard(x1, P(None, "t"))  # a PartitionSpec, not a sharding
+                raise AssertionError("a PartitionSpec did not raise")
+            except ValueError as e:
+                assert "Wrap a PartitionSpec in NamedSharding" in str(e), e
+        try:
+            plan.execute(x2 if me == 1 else x1)
+            raise AssertionError("calls out of step did not raise")
+        except RuntimeError as e:
+            assert "out of step across processes" in str(e), e
+            counts = ast.literal_eval(re.search(r"\{[^}]*\}", str(e)).group(0))
+            ahead = {p: c - counts[0] for p, c in counts.items()}
+            assert ahead == {p: int(p == 1) for p in range(jax.process_count())}, counts
+        check(x1, a, src)
+        check(x2, b, src)
+        # Only for the rest of the suite: bring the counts back in step by hand.
+        _collective_common._calls_started = 1 << 20
+        check(plan.execute(x2), b, dst)
+
     def a_process_failing_mid_reshard_fails_every_process() -> None:
         # Host-packed. One process fails in a middle stage (out of host memory while
         # packing, or while taking its destination blocks). It still takes part in
@@ -639,6 +672,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             donation_keeps_what_outputs_hold,
             failure_leaves_inputs_intact,
             different_arguments_raise_on_every_process,
+            a_call_failing_on_one_process_is_not_paired_with_its_next,
             random_cases,
         )
     }
@@ -821,6 +855,7 @@ SCENARIOS = [
     "donation_keeps_what_outputs_hold",
     "failure_leaves_inputs_intact",
     "different_arguments_raise_on_every_process",
+    "a_call_failing_on_one_process_is_not_paired_with_its_next",
     "random_cases",
 ]
 # Failures part-way through: the host-packed schedule's filler stages and status.

@@ -17,8 +17,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from . import _compat
+from . import _collective_common, _compat
 from ._errors import DataLossError
+from ._execute import execute_plan
 from ._geometry import box_from_index
 from ._mesh_surgery import device_id
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
@@ -105,6 +106,7 @@ def reshard(
       >>> bool(np.array_equal(y, x))  # compared on the host: x and y use other devices
       True
     """
+    _collective_common.count_call()  # before anything can fail (see count_call)
     p = plan(
         x,
         sharding,
@@ -112,7 +114,7 @@ def reshard(
         avoid_devices=avoid_devices,
         cache=cache_resharding_plans,
     )
-    return p.execute(x, donate=donate, may_alias=may_alias)
+    return execute_plan(p, x, donate=donate, may_alias=may_alias)
 
 
 def plan(

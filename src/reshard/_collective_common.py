@@ -182,12 +182,30 @@ def finish(
     return jax.make_array_from_single_device_arrays(shape, sharding, parts, dtype=dtype)
 
 
+# Calls of ``reshard.reshard`` and ``Plan.execute`` this process has made, counted as
+# each starts. Every process makes the same calls (the multi-controller contract), so
+# the counts agree whenever processes meet in a reshard's collectives: a call that one
+# process skipped, or that failed on it alone before its collectives, shows as counts
+# that differ, where the collectives alone would pair one process's call with
+# another's next one and return wrong data.
+_calls_started = 0
+_CALL_MODULUS = 1 << 28  # the count travels in an int32 status (see status_input)
+
+
+def count_call() -> None:
+    """Counts a call of the public API that may run collectives (as it starts)."""
+    global _calls_started
+    _calls_started += 1
+
+
 def status_input(program: Any, failed: bool) -> jax.Array:
     """This process's status, to be summed over the union mesh (``psum``): per process,
-    1 where it is this one and it failed; one device per process counts."""
+    one entry that only it writes (on its first device of the union; the rest write
+    zeros): its count of calls, and whether it failed. Processes without a device in
+    the union leave their entry 0."""
     me, count = jax.process_index(), jax.process_count()
     rows = [np.zeros((count,), np.int32) for _ in program.local_devices]
-    rows[0][me] = int(failed)
+    rows[0][me] = 4 * (_calls_started % _CALL_MODULUS) + 2 + int(failed)
     return _compat.assemble(
         (len(program.devices) * count,),
         np.dtype(np.int32),
@@ -197,11 +215,27 @@ def status_input(program: Any, failed: bool) -> jax.Array:
     )
 
 
-def failed_processes(status: jax.Array | None) -> list[int]:
-    """The processes that reported a failure in a summed status."""
+def check_status(status: jax.Array | None, when: str) -> None:
+    """Raises, on every process alike, if a summed status shows processes out of step
+    (their counts of calls differ) or processes that failed ``when``."""
     if status is None:
-        return []
-    return np.flatnonzero(np.asarray(status.addressable_shards[0].data)).tolist()
+        return
+    entries = np.asarray(status.addressable_shards[0].data)
+    calls = {p: int(v) >> 2 for p, v in enumerate(entries) if v}
+    if len(set(calls.values())) > 1:
+        raise RuntimeError(
+            "reshard calls are out of step across processes: in this collective reshard "
+            f"the processes had started these numbers of calls: {calls}. A call skipped "
+            "by some processes, or failing on some before they joined its collectives, "
+            "paired one process's call with another's next one. No results were made, "
+            "and the inputs are intact. Every process must make the same calls of "
+            "reshard / Plan.execute in the same order; the counts cannot come back in "
+            "step within this job, so later collective reshards fail the same way: "
+            "restart the processes"
+        )
+    failed = [p for p, v in enumerate(entries) if int(v) & 1]
+    if failed:
+        raise peers_failed(failed, when)
 
 
 def peers_failed(failed: Sequence[int], when: str) -> RuntimeError:

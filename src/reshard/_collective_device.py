@@ -337,7 +337,7 @@ def run_device_packed(
                 inputs = jax.block_until_ready(block_inputs(program, sources, group))
             except Exception as e:
                 failure = e
-            failed = program.exchange_status(failure is not None)
+            status = program.exchange_status(failure is not None)
             if failure is not None:
                 failure.add_note(
                     "reshard: this process failed while preparing its part of a "
@@ -346,8 +346,7 @@ def run_device_packed(
                     "inputs are intact."
                 )
                 raise failure
-            if failed:
-                raise common.peers_failed(failed, "while preparing their inputs")
+            common.check_status(status, "while preparing their inputs")
         moved = program.compiled(gi)(*inputs)
         del inputs  # the placeholders go once the program is done with them
         if wait:

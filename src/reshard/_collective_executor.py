@@ -49,7 +49,6 @@ from ._collective_common import (
     AXIS,
     all_copies,
     color_edges,
-    failed_processes,
     status_input,
 )
 from ._planner import LeafPlan
@@ -365,9 +364,10 @@ class CollectiveProgram:
         ]
         return program.lower(*avals).compile()
 
-    def exchange_status(self, failed: bool) -> list[int]:
-        """Tells every process of the union mesh whether this one failed, and returns
-        the processes that did: one small ``psum`` over the union mesh, waited for.
+    def exchange_status(self, failed: bool) -> jax.Array:
+        """Tells every process of the union mesh whether this one failed (and its count
+        of calls), and returns every process's (``check_status`` reads it): one small
+        ``psum`` over the union mesh.
         Every process with a device in the union mesh must call it (the device-packed
         path does, before its program)."""
         if self._status_fn is None:
@@ -390,7 +390,7 @@ class CollectiveProgram:
 
             key = ("status", tuple(d.id for d in self.devices))
             self._status_fn = _shared_program(key, compile_status)
-        return failed_processes(self._status_fn(status_input(self, failed)))
+        return self._status_fn(status_input(self, failed))  # type: ignore[no-any-return]
 
     def placeholders(self, device: Any, leaves: Sequence[int]) -> list[jax.Array]:
         """Zero source blocks for ``leaves`` on ``device`` (one dispatch per device)."""
@@ -422,8 +422,7 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
     its collectives; ``RESHARD_COLLECTIVE_TIMEOUT_S`` bounds that wait.
 
     Raises:
-      ValueError: on every process, naming the processes whose program differs from
-        process 0's.
+      ValueError: on every process, naming the processes that built each plan.
     """
     if jax.process_count() == 1:
         return
@@ -432,11 +431,14 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
     kinds = repr([getattr(s, "memory_kind", None) for s in shardings]).encode()
     mine = np.frombuffer(hashlib.sha256(program.fingerprint + kinds).digest()[:16], np.uint32)
     everyone = np.asarray(multihost_utils.process_allgather(mine))
-    differ = [p for p in range(len(everyone)) if not np.array_equal(everyone[p], everyone[0])]
-    if differ:
+    groups: dict[bytes, list[int]] = {}
+    for p, fingerprint in enumerate(everyone):
+        groups.setdefault(fingerprint.tobytes(), []).append(p)
+    if len(groups) > 1:
         raise ValueError(
-            f"reshard was called with different arguments on different processes: the "
-            f"plans of processes {differ} differ from process 0's. Every process must "
+            f"reshard was called with different arguments on different processes: they "
+            f"built {len(groups)} different plans, processes "
+            f"{' | '.join(map(str, groups.values()))} each building one. Every process must "
             "pass the same pytree, avals, source and destination shardings (built from "
             "the global jax.devices()) and options, in the same order of calls"
         )

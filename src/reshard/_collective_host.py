@@ -698,9 +698,7 @@ def run_host_packed(
                 "every stage, and every other process raises too; the inputs are intact."
             )
         raise failure
-    failed = common.failed_processes(status)
-    if failed:
-        raise common.peers_failed(failed, "while moving data")
+    common.check_status(status, "while moving data")
     for f in pending:
         f.result()
     assert outs is not None

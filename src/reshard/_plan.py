@@ -88,8 +88,10 @@ class Plan:
         Returns:
           A pytree like ``x`` with every leaf committed to its destination sharding.
         """
+        from ._collective_common import count_call
         from ._execute import execute_plan
 
+        count_call()  # before anything can fail (see count_call)
         return execute_plan(self, x, donate=donate, may_alias=may_alias)
 
     # -- describing --------------------------------------------------------------
