@@ -607,6 +607,35 @@ def test_uncached_plans_share_compiled_programs(monkeypatch, pack_on_host):
         jax.monitoring.unregister_event_duration_listener(counter)
 
 
+@pytest.mark.parametrize("pack_on_host", [None, False], ids=["device", "collective-device"])
+def test_compiled_programs_are_bounded_and_freed(monkeypatch, pack_on_host):
+    # Shapes that keep changing compile new programs each call; the cache keeps only
+    # the last PROGRAM_CACHE_SIZE (one executable each), and the ones it drops are
+    # freed (nothing else holds them: JAX's own caches would keep them for good).
+    import gc
+    import weakref
+
+    from reshard import _collective_executor, _programs
+
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    monkeypatch.setattr(_programs, "PROGRAM_CACHE_SIZE", 5)
+    executor = "device" if pack_on_host is None else "collective"
+    reshard.clear_plan_cache()
+    src = sharding([0, 1, 2, 3])
+    dst = NamedSharding(Mesh(np.array(DEVS[4:8]).reshape(2, 2), ("x", "y")), P("y", "x"))
+    dropped = []
+    for n in range(1, 5):
+        before = list(_programs._programs.values())
+        truth = np.arange(64 * n, dtype=np.float32).reshape(8 * n, 8)
+        y = reshard.reshard(place(truth, src), dst, executor=executor)
+        check_result(y, truth, dst)
+        assert _programs.size() <= 5
+        dropped += [weakref.ref(p) for p in before if p not in _programs._programs.values()]
+        del before
+    gc.collect()
+    assert dropped and not [r for r in dropped if r() is not None]
+
+
 def test_plan_cache_is_bounded(monkeypatch):
     from reshard import _api
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from . import _collective_common, _compat
+from . import _collective_common, _compat, _programs
 from ._errors import DataLossError
 from ._execute import execute_plan
 from ._geometry import box_from_index
@@ -35,12 +35,9 @@ _cache_lock = threading.Lock()
 def clear_plan_cache() -> None:
     """Forgets every cached plan, and every compiled program (which equal plans share,
     cached or not)."""
-    from . import _collective_executor, _local_executor
-
     with _cache_lock:
         _cache.clear()
-    _collective_executor.clear_programs()
-    _local_executor.clear_programs()
+    _programs.clear()
 
 
 def plan_cache_size() -> int:
@@ -78,7 +75,8 @@ def reshard(
         output); ``False`` copies them always. See ``Plan.execute``.
       cache_resharding_plans: keep the plan in a bounded LRU cache keyed by avals,
         shardings and options, so repeated calls do not plan again. Compiled
-        programs are shared by equal plans either way (bounded too), so calls do not
+        programs are shared by equal plans either way (the last 256, each freed when
+        dropped), so calls do not
         compile again even without it.
       executor: ``"auto"`` (default), ``"host"`` (CPU only), ``"device"`` or
         ``"collective"``; see ``reshard.plan``.

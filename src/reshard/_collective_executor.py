@@ -32,8 +32,7 @@ import math
 import os
 import sys
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from . import _collective_device as device_packed
 from . import _collective_host as host_packed
+from . import _programs
 from ._collective_common import (
     AXIS,
     all_copies,
@@ -62,36 +62,6 @@ PACK_ON_HOST: bool | None = None
 # the exit status it then exits with.
 ENV_TIMEOUT_S = "RESHARD_COLLECTIVE_TIMEOUT_S"
 TIMEOUT_EXIT_CODE = 75
-
-
-# Compiled programs by what they do (``CollectiveProgram.program_key``), shared by
-# every plan: a plan rebuilt for each call (``cache_resharding_plans=False``, the
-# default) would otherwise compile its programs again each time (seconds for the
-# device-packed path). Bounded, least recently used first out.
-PROGRAM_CACHE_SIZE = 256
-_programs: OrderedDict[Any, Any] = OrderedDict()
-_programs_lock = threading.Lock()
-
-
-def _shared_program(key: Any, build: Callable[[], Any]) -> Any:
-    """The compiled program for ``key`` from the shared cache, else ``build()``'s."""
-    with _programs_lock:
-        fn = _programs.get(key)
-        if fn is not None:
-            _programs.move_to_end(key)
-            return fn
-    fn = build()
-    with _programs_lock:
-        _programs[key] = fn
-        while len(_programs) > PROGRAM_CACHE_SIZE:
-            _programs.popitem(last=False)
-    return fn
-
-
-def clear_programs() -> None:
-    """Empties the shared cache of compiled programs."""
-    with _programs_lock:
-        _programs.clear()
 
 
 def collective_timeout_s() -> float:
@@ -308,7 +278,7 @@ class CollectiveProgram:
         (device-packed), built once, then reused (across equal programs too)."""
         fn = self._compiled.get(stage)
         if fn is None:
-            fn = self._compiled[stage] = _shared_program(
+            fn = self._compiled[stage] = _programs.shared(
                 self.program_key(stage), lambda: self._compile(stage)
             )
         return fn
@@ -389,7 +359,7 @@ class CollectiveProgram:
                 return program.lower(aval).compile()
 
             key = ("status", tuple(d.id for d in self.devices))
-            self._status_fn = _shared_program(key, compile_status)
+            self._status_fn = _programs.shared(key, compile_status)
         return self._status_fn(status_input(self, failed))  # type: ignore[no-any-return]
 
     def placeholders(self, device: Any, leaves: Sequence[int]) -> list[jax.Array]:
@@ -398,7 +368,7 @@ class CollectiveProgram:
         fn = self._placeholder_fns.get(cache_key)
         if fn is None:
             shapes = tuple((self.leaves[i].src_block, self.in_dtypes[i]) for i in leaves)
-            fn = self._placeholder_fns[cache_key] = _shared_program(
+            fn = self._placeholder_fns[cache_key] = _programs.shared(
                 ("zeros", device.id, tuple((s, str(d)) for s, d in shapes)),
                 lambda: jax.jit(
                     lambda: tuple(jnp.zeros(s, d) for s, d in shapes),

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
+from . import _compat, _programs
 from ._buffers import carve, copy_into, host_empty
 from ._geometry import box_shape, relative_slices
 from ._planner import LeafPlan
@@ -248,7 +248,7 @@ class _Send:
 
 class DeviceProgram:
     """The compiled-program form of a plan, built once and cached with the plan (the
-    compiled programs themselves are cached by JAX, by what they do)."""
+    compiled programs themselves are shared by what they do: ``_program``)."""
 
     def __init__(self, jobs: Sequence[LeafJob]) -> None:
         self.jobs = list(jobs)
@@ -283,11 +283,19 @@ class DeviceProgram:
                 if di not in job.reused:
                     self.piece_inputs[(li, di)] = inputs[di]
                     self.builds[d.device].append((li, di))
-        # Per device, what its cut and build programs do, as jax.jit static
-        # arguments: equal plans (one rebuilt with cache=False, say) reuse the
-        # programs JAX compiled for the first, instead of compiling their own.
+        # Per device, what its cut and build programs do (``_program``'s key): equal
+        # plans (one rebuilt with cache=False, say) reuse the programs compiled for
+        # the first, instead of compiling their own.
+        # The shapes and element types of their inputs belong to the key too, so
+        # that each entry compiles exactly one program.
         self.cuts = {
-            dev: _Static(tuple(s.slices for s in sends if s.slices is not None))
+            dev: _Static(
+                tuple(
+                    (s.slices, self._src_shape(s.leaf, s.src), str(self.jobs[s.leaf].dtype))
+                    for s in sends
+                    if s.slices is not None
+                )
+            )
             for dev, sends in self.sends.items()
         }
         self.outputs = {dev: self._outputs(targets) for dev, targets in self.builds.items()}
@@ -297,16 +305,26 @@ class DeviceProgram:
         for li, di in targets:
             job = self.jobs[li]
             inputs = tuple(
-                (kind, ref if kind == "recv" else (li, ref), tuple((a.start, a.stop) for a in sl))
+                (kind, ref, tuple((a.start, a.stop) for a in sl), None)
+                if kind == "recv"  # its shape is that of its slices
+                else (
+                    kind,
+                    (li, ref),
+                    tuple((a.start, a.stop) for a in sl),
+                    self._src_shape(li, ref),
+                )
                 for kind, ref, sl in self.piece_inputs[(li, di)]
             )
             outs.append((box_shape(job.plan.spec.dst[di].box), job.dtype, inputs))
         return _Static(tuple(outs))
 
+    def _src_shape(self, li: int, si: int) -> tuple[int, ...]:
+        return box_shape(self.jobs[li].plan.spec.src[si].box)
+
 
 class _Static:
-    """A program's description as a ``jax.jit`` static argument: nested tuples of ints,
-    with the hash computed once (it is looked up on every call)."""
+    """A program's description, a cache key: nested tuples of ints, with the hash
+    computed once (it is looked up on every call)."""
 
     __slots__ = ("desc", "_hash")
 
@@ -323,17 +341,15 @@ class _Static:
         )
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _cut(cuts: _Static, *shards: jax.Array) -> tuple[jax.Array, ...]:
     """The pieces that leave one device, cut out of its source shards (as bits:
     ``to_bits``; ``_build`` takes them so)."""
     return tuple(
         to_bits(x)[tuple(slice(a, b) for a, b in cut)]
-        for x, cut in zip(shards, cuts.desc, strict=True)
+        for x, (cut, _shape, _dtype) in zip(shards, cuts.desc, strict=True)
     )
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _build(
     outputs: _Static, recv: dict[int, jax.Array], local: dict[tuple[int, int], jax.Array]
 ) -> list[jax.Array]:
@@ -343,7 +359,7 @@ def _build(
         # Assembled as bits: see ``bits_dtype``.
         out = jnp.zeros(shape, bits_dtype(dtype))
         n = len(shape)
-        for kind, ref, bounds in inputs:
+        for kind, ref, bounds, _src_shape in inputs:
             sl = tuple(slice(a, b) for a, b in bounds)
             if kind == "recv":
                 out = out.at[sl].set(to_bits(recv[ref]))
@@ -353,10 +369,12 @@ def _build(
     return outs
 
 
-def clear_programs() -> None:
-    """Drops the device executor's compiled programs (JAX caches them by what they do)."""
-    _cut.clear_cache()  # type: ignore[attr-defined]
-    _build.clear_cache()  # type: ignore[attr-defined]
+def _program(what: Callable[..., Any], desc: _Static, device_id: int) -> Any:
+    """The jitted ``what`` for one device (its key holds the input avals too: one
+    executable each), shared by equal plans (``_programs``)."""
+    return _programs.shared(
+        (what.__name__, desc, device_id), lambda: jax.jit(functools.partial(what, desc))
+    )
 
 
 def run_device(
@@ -393,7 +411,7 @@ def run_device(
             for s in sends
             if s.slices is not None
         ]
-        cut = _cut(program.cuts[dev], *cut_inputs) if cut_inputs else ()
+        cut = _program(_cut, program.cuts[dev], dev)(*cut_inputs) if cut_inputs else ()
         it = iter(cut)
         for send in sends:
             if send.slices is None:
@@ -427,7 +445,7 @@ def run_device(
                     need_recv[ref] = recv[ref]
                 else:
                     need_local[(li, ref)] = compute_ready(bufs[li][spec.src[ref].device])
-        outs = _build(program.outputs[dev], need_recv, need_local)
+        outs = _program(_build, program.outputs[dev], dev)(need_recv, need_local)
         for (li, di), o in zip(targets, outs, strict=True):
             built[(li, di)] = o
     # 4. Per array: move to the destination memory kind and put the shards together.

@@ -1,0 +1,45 @@
+"""Compiled programs shared by every plan, by what they do; bounded.
+
+A plan rebuilt for each call (``cache_resharding_plans=False``, the default) would
+otherwise compile its programs again each time (seconds for the device-packed path),
+and a cache without a bound would keep every program a workload whose shapes keep
+changing ever compiled (~0.3-1 MB of host memory each on CPU). Each entry holds one
+executable (a compiled program, or a jitted function called with one set of input
+avals); least recently used out. A dropped entry frees its executable with it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+PROGRAM_CACHE_SIZE = 256
+_programs: OrderedDict[Hashable, Any] = OrderedDict()
+_lock = threading.Lock()
+
+
+def shared(key: Hashable, build: Callable[[], Any]) -> Any:
+    """The program for ``key`` from the cache, else ``build()``'s (then cached)."""
+    with _lock:
+        fn = _programs.get(key)
+        if fn is not None:
+            _programs.move_to_end(key)
+            return fn
+    fn = build()
+    with _lock:
+        _programs[key] = fn
+        while len(_programs) > PROGRAM_CACHE_SIZE:
+            _programs.popitem(last=False)
+    return fn
+
+
+def clear() -> None:
+    """Empties the cache."""
+    with _lock:
+        _programs.clear()
+
+
+def size() -> int:
+    return len(_programs)
