@@ -76,8 +76,7 @@ def reshard(
       cache_resharding_plans: keep the plan in a bounded LRU cache keyed by avals,
         shardings and options, so repeated calls do not plan again. Compiled
         programs are shared by equal plans either way (the last 256, each freed when
-        dropped), so calls do not
-        compile again even without it.
+        dropped), so calls do not compile again even without it.
       executor: ``"auto"`` (default), ``"host"`` (CPU only), ``"device"`` or
         ``"collective"``; see ``reshard.plan``.
       avoid_devices: devices (or ids) whose source shards must not be read, e.g. lost
