@@ -7,6 +7,7 @@ and looks plans up in a bounded cache. Inner layers trust what it hands them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections import OrderedDict
@@ -19,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 
 from . import _collective_common, _compat, _programs
 from ._errors import DataLossError
-from ._execute import execute_plan
+from ._execute import device_peak_extra, execute_plan
 from ._geometry import box_from_index
 from ._mesh_surgery import device_id
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
@@ -469,4 +470,8 @@ def _build_plan(
         raise ValueError(
             f"the host executor runs on CPU devices only, got platforms {sorted(platforms)}"
         )
-    return Plan(treedef, leaves, leaf_plans, stats, executor, avoid)
+    plan = Plan(treedef, leaves, leaf_plans, stats, executor, avoid)
+    if executor == "device":
+        peak = device_peak_extra(plan)
+        plan = dataclasses.replace(plan, stats=dataclasses.replace(stats, peak_extra_bytes=peak))
+    return plan

@@ -244,6 +244,26 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
     return whole
 
 
+def device_peak_extra(plan: Plan) -> dict[int, int]:
+    """The device executor's peak extra bytes per device (``PlanStats``): besides the
+    destination shards, each piece it moves is cut out on its source device (unless it
+    is a whole source shard) and lands on its destination device before the shards are
+    built from it. Arrays that PjRt copies whole (``_copied_whole``) land as their
+    destination shards."""
+    peak = collections.Counter(plan.stats.peak_extra_bytes)
+    whole = set(_copied_whole(plan, [_moved_sharding(leaf) for leaf in plan.planned_leaves]))
+    for j, lp in enumerate(plan.leaf_plans):
+        if j in whole:
+            continue
+        spec = lp.spec
+        for p in lp.moved:
+            nbytes = volume(p.box) * spec.itemsize
+            peak[spec.dst[p.dst].device] += nbytes
+            if p.box != spec.src[p.src].box:
+                peak[spec.src[p.src].device] += nbytes
+    return dict(peak)
+
+
 Key = tuple[int, int]  # a buffer, by ``_compat.buffer_keys``: (device id, address)
 # A donated array, its data (key data for key arrays) and the data's buffers by key.
 Donated = tuple[jax.Array, jax.Array, dict[Key, jax.Array]]

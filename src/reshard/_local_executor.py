@@ -404,6 +404,8 @@ def run_device(
 
     # 1. Cut the pieces that leave each source device (one program per device).
     payload: dict[int, jax.Array] = {}
+    cut: Any = ()
+    it: Any = iter(())
     ids = {id(s): i for i, s in enumerate(program.send_order)}
     for dev, sends in program.sends.items():
         cut_inputs = [
@@ -433,6 +435,9 @@ def run_device(
         else []
     )
     recv = dict(zip(order, moved, strict=True))
+    # The cut pieces go once their transfers are done (JAX holds them until then), not
+    # when this returns: they and the destination shards need not coexist.
+    del payload, cut, it
     # 3. Assemble each destination device's shards (one program per device).
     built: dict[tuple[int, int], jax.Array] = {}
     for dev, targets in program.builds.items():

@@ -109,6 +109,13 @@ class PlanStats:
         allocates there while the sources are still alive, reused shards excluded:
         those are handed over when donating, with ``may_alias=True``, or where the
         whole array is unchanged; otherwise ``execute`` copies them on their device.
+        For the device executor it also counts the pieces cut out on each sender and
+        staged on each receiver before the destination shards are built from them
+        (``_execute.device_peak_extra``). The collective executor's staging is not
+        counted: host-packed, bounded buffers in host memory per stage;
+        device-packed, per group of arrays a placeholder source block on each union
+        device holding none (at most ``_collective_device.GROUP_BYTES``) and the
+        program's own buffers.
     """
 
     array_bytes: int
