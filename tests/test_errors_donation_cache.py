@@ -636,6 +636,30 @@ def test_compiled_programs_are_bounded_and_freed(monkeypatch, pack_on_host):
     assert dropped and not [r for r in dropped if r() is not None]
 
 
+def test_a_cached_plan_keeps_its_programs_when_the_shared_cache_drops_them(monkeypatch):
+    # The device executor takes two shared entries per device; with more plans in use
+    # than the shared cache holds, a plan from the plan cache still runs its own.
+    from reshard import _programs
+
+    monkeypatch.setattr(_programs, "PROGRAM_CACHE_SIZE", 2)
+    reshard.clear_plan_cache()
+    src = sharding([0, 1, 2, 3])
+    dst = NamedSharding(Mesh(np.array(DEVS[4:8]).reshape(2, 2), ("x", "y")), P("y", "x"))
+    xs = [place(np.arange(64.0 * n, dtype=np.float32).reshape(8 * n, 8), src) for n in (1, 2)]
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        for x in xs:  # the second plan's programs push the first's out of _programs
+            reshard.reshard(x, dst, executor="device", cache_resharding_plans=True)
+        first = counter.count
+        for x in xs:
+            y = reshard.reshard(x, dst, executor="device", cache_resharding_plans=True)
+            check_result(y, np.asarray(x), dst)
+        assert counter.count == first
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+
+
 def test_plan_cache_is_bounded(monkeypatch):
     from reshard import _api
 

@@ -427,31 +427,39 @@ def _live_buffers() -> set[tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize(
-    "dst_ids,spec", [([0, 1, 2, 3], P(None, "a")), ([4, 5, 6, 7], P(None, "a"))],
-    ids=["relayout", "disjoint"],
-)  # fmt: skip
-def test_device_executor_peak_extra_bounds_what_it_allocates(monkeypatch, dst_ids, spec):
+    "dst_ids,src_kind,dst_kind",
+    [
+        ([0, 1, 2, 3], None, None),
+        ([4, 5, 6, 7], None, None),
+        ([0, 1, 2, 3], "pinned_host", "device"),
+        ([4, 5, 6, 7], "device", "pinned_host"),
+        ([2, 3, 4, 5], "unpinned_host", "pinned_host"),
+    ],
+    ids=["relayout", "disjoint", "from-pinned-host", "to-pinned-host", "host-kinds-overlapping"],
+)
+def test_device_executor_peak_extra_bounds_what_it_allocates(
+    monkeypatch, dst_ids, src_kind, dst_kind
+):
     # The device executor cuts pieces on their senders and stages them on their
-    # receivers before building the destination shards: its plan's peak extra bytes
-    # count those too (the planner's own count, destination shards alone, falls short).
+    # receivers before building the destination shards, and stages shards of host
+    # memory kinds in device memory: its plan's peak extra bytes count those too (the
+    # planner's own count, destination shards alone, falls short). Live buffers are
+    # counted after every program and transfer it runs.
     import gc
 
     from reshard import _local_executor
 
-    src = NamedSharding(mesh1([0, 1, 2, 3]), P("a"))
-    dst = NamedSharding(mesh1(dst_ids), spec)
+    src = NamedSharding(mesh1([0, 1, 2, 3]), P("a"), memory_kind=src_kind)
+    dst = NamedSharding(mesh1(dst_ids), P(None, "a"), memory_kind=dst_kind)
     truth = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
     x = place(truth, src)
     gc.collect()
     base = _live_buffers()
     seen: dict[int, int] = {}
-    program = _local_executor._program
 
-    def watched(what, desc, device_id):
-        fn = program(what, desc, device_id)
-
-        def call(*args):
-            out = jax.block_until_ready(fn(*args))
+    def watch(fn):
+        def call(*args, **kwargs):
+            out = jax.block_until_ready(fn(*args, **kwargs))
             extra: dict[int, int] = {}
             for d, _, nbytes in _live_buffers() - base:
                 extra[d] = extra.get(d, 0) + nbytes
@@ -461,9 +469,13 @@ def test_device_executor_peak_extra_bounds_what_it_allocates(monkeypatch, dst_id
 
         return call
 
-    monkeypatch.setattr(_local_executor, "_program", watched)
+    program = _local_executor._program
+    monkeypatch.setattr(_local_executor, "_program", lambda *key: watch(program(*key)))
+    monkeypatch.setattr(jax, "device_put", watch(jax.device_put))
     p = reshard.plan(x, dst, executor="device")
-    check_result(p.execute(x), truth, dst)
+    y = p.execute(x)
+    monkeypatch.undo()
+    check_result(y, truth, dst)
     shard = truth.nbytes // 4
     assert seen and all(v <= p.stats.peak_extra_bytes.get(d, 0) for d, v in seen.items()), (
         seen,

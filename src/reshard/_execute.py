@@ -245,19 +245,31 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
 
 
 def device_peak_extra(plan: Plan) -> dict[int, int]:
-    """The device executor's peak extra bytes per device (``PlanStats``): besides the
-    destination shards, each piece it moves is cut out on its source device (unless it
-    is a whole source shard) and lands on its destination device before the shards are
-    built from it. Arrays that PjRt copies whole (``_copied_whole``) land as their
-    destination shards."""
+    """The device executor's peak extra bytes per device (``PlanStats``), an upper
+    bound: besides the destination shards, each piece it moves is cut out on its source
+    device (unless it is a whole source shard) and lands on its destination device
+    before the shards are built from it; a source shard it reads from a host memory
+    kind is staged in device memory first, and a shard for a host memory kind is built
+    in device memory first. Arrays that PjRt copies whole (``_copied_whole``) land as
+    their destination shards."""
     peak = collections.Counter(plan.stats.peak_extra_bytes)
     whole = set(_copied_whole(plan, [_moved_sharding(leaf) for leaf in plan.planned_leaves]))
-    for j, lp in enumerate(plan.leaf_plans):
+    for j, (leaf, lp) in enumerate(zip(plan.planned_leaves, plan.leaf_plans, strict=True)):
         if j in whole:
             continue
-        spec = lp.spec
+        spec, isz = lp.spec, lp.spec.itemsize
+        device: Any = next(iter(leaf.dst_sharding.device_set))
+        compute_kind = device.default_memory().kind
+        reused = {di for di, _ in lp.reused}
+        read = {p.src for p in lp.moved} | {p.src for p in lp.kept if p.dst not in reused}
+        for si in read:
+            if spec.src[si].memory_kind != compute_kind:
+                peak[spec.src[si].device] += volume(spec.src[si].box) * isz
+        for di, d in enumerate(spec.dst):
+            if di not in reused and d.memory_kind != compute_kind:
+                peak[d.device] += volume(d.box) * isz
         for p in lp.moved:
-            nbytes = volume(p.box) * spec.itemsize
+            nbytes = volume(p.box) * isz
             peak[spec.dst[p.dst].device] += nbytes
             if p.box != spec.src[p.src].box:
                 peak[spec.src[p.src].device] += nbytes

@@ -299,6 +299,17 @@ class DeviceProgram:
             for dev, sends in self.sends.items()
         }
         self.outputs = {dev: self._outputs(targets) for dev, targets in self.builds.items()}
+        self._fns: dict[tuple[str, int], Any] = {}
+
+    def compiled(self, what: Callable[..., Any], device_id: int) -> Any:
+        """The jitted cut or build program of one device: from the shared cache
+        (``_program``) the first time, then held here, so that a plan kept in the plan
+        cache never compiles again, whatever the shared cache dropped."""
+        fn = self._fns.get((what.__name__, device_id))
+        if fn is None:
+            desc = (self.cuts if what is _cut else self.outputs)[device_id]
+            fn = self._fns[(what.__name__, device_id)] = _program(what, desc, device_id)
+        return fn
 
     def _outputs(self, targets: Sequence[tuple[int, int]]) -> _Static:
         outs = []
@@ -399,8 +410,16 @@ def run_device(
         for d in _compat.addressable_devices(s.sharding):
             alldevs[d.id] = d
 
-    def compute_ready(a: jax.Array) -> jax.Array:
-        return in_compute_memory(a, next(iter(a.devices())))
+    # Source shards in a host memory kind are staged in device memory once per call,
+    # however many pieces are read from them.
+    staged: dict[tuple[int, int], jax.Array] = {}
+
+    def compute_ready(li: int, device_id: int) -> jax.Array:
+        a = staged.get((li, device_id))
+        if a is None:
+            a = bufs[li][device_id]
+            a = staged[(li, device_id)] = in_compute_memory(a, next(iter(a.devices())))
+        return a
 
     # 1. Cut the pieces that leave each source device (one program per device).
     payload: dict[int, jax.Array] = {}
@@ -409,16 +428,16 @@ def run_device(
     ids = {id(s): i for i, s in enumerate(program.send_order)}
     for dev, sends in program.sends.items():
         cut_inputs = [
-            compute_ready(bufs[s.leaf][jobs[s.leaf].plan.spec.src[s.src].device])
+            compute_ready(s.leaf, jobs[s.leaf].plan.spec.src[s.src].device)
             for s in sends
             if s.slices is not None
         ]
-        cut = _program(_cut, program.cuts[dev], dev)(*cut_inputs) if cut_inputs else ()
+        cut = program.compiled(_cut, dev)(*cut_inputs) if cut_inputs else ()
         it = iter(cut)
         for send in sends:
             if send.slices is None:
                 src_dev = jobs[send.leaf].plan.spec.src[send.src].device
-                payload[ids[id(send)]] = compute_ready(bufs[send.leaf][src_dev])
+                payload[ids[id(send)]] = compute_ready(send.leaf, src_dev)
             else:
                 payload[ids[id(send)]] = next(it)
     # 2. One batched device-to-device transfer for every piece.
@@ -441,18 +460,23 @@ def run_device(
     # 3. Assemble each destination device's shards (one program per device).
     built: dict[tuple[int, int], jax.Array] = {}
     for dev, targets in program.builds.items():
-        need_recv = {}
-        need_local = {}
+        need_recv: dict[int, jax.Array] = {}
+        need_local: dict[tuple[int, int], jax.Array] = {}
         for li, di in targets:
             spec = jobs[li].plan.spec
             for kind, ref, _sl in program.piece_inputs[(li, di)]:
                 if kind == "recv":
                     need_recv[ref] = recv[ref]
                 else:
-                    need_local[(li, ref)] = compute_ready(bufs[li][spec.src[ref].device])
-        outs = _program(_build, program.outputs[dev], dev)(need_recv, need_local)
+                    need_local[(li, ref)] = compute_ready(li, spec.src[ref].device)
+        outs = program.compiled(_build, dev)(need_recv, need_local)
         for (li, di), o in zip(targets, outs, strict=True):
             built[(li, di)] = o
+        del need_recv, need_local
+    # The received pieces and staged sources go once the shards are built, before
+    # any is moved to a host memory kind below.
+    del recv, moved
+    staged.clear()
     # 4. Per array: move to the destination memory kind and put the shards together.
     results = []
     for li, (job, sharding, tg) in enumerate(zip(jobs, shardings, placements, strict=True)):

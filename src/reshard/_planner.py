@@ -95,7 +95,8 @@ class LeafPlan:
 
 @dataclass(frozen=True)
 class PlanStats:
-    """Numbers that describe a plan. All byte counts are exact.
+    """Numbers that describe a plan. All byte counts are exact, but for the device
+    executor ``peak_extra_bytes`` is an upper bound (see below).
 
     Attributes:
       array_bytes: logical bytes of all arrays (each element once).
@@ -110,8 +111,9 @@ class PlanStats:
         those are handed over when donating, with ``may_alias=True``, or where the
         whole array is unchanged; otherwise ``execute`` copies them on their device.
         For the device executor it also counts the pieces cut out on each sender and
-        staged on each receiver before the destination shards are built from them
-        (``_execute.device_peak_extra``). The collective executor's staging is not
+        staged on each receiver before the destination shards are built from them,
+        and the copies in device memory of shards read from or built for a host
+        memory kind (``_execute.device_peak_extra``), as if all lived at once. The collective executor's staging is not
         counted: host-packed, bounded buffers in host memory per stage;
         device-packed, per group of arrays a placeholder source block on each union
         device holding none (at most ``_collective_device.GROUP_BYTES``) and the

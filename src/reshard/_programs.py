@@ -3,9 +3,12 @@
 A plan rebuilt for each call (``cache_resharding_plans=False``, the default) would
 otherwise compile its programs again each time (seconds for the device-packed path),
 and a cache without a bound would keep every program a workload whose shapes keep
-changing ever compiled (~0.3-1 MB of host memory each on CPU). Each entry holds one
-executable (a compiled program, or a jitted function called with one set of input
-avals); least recently used out. A dropped entry frees its executable with it.
+changing ever compiled (~0.3-1.3 MB of host memory each on CPU). Each entry holds
+one executable (a compiled program, or a jitted function called with one set of
+input avals); least recently used out. A dropped entry frees its executable with it.
+The device executor takes two entries per device per plan (its cut and build
+programs), so 1024 entries hold the programs of 64 plans over 8 devices; a plan in
+the plan cache also holds its own, and never compiles them again.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-PROGRAM_CACHE_SIZE = 256
+PROGRAM_CACHE_SIZE = 1024
 _programs: OrderedDict[Hashable, Any] = OrderedDict()
 _lock = threading.Lock()
 
