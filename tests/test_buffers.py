@@ -134,3 +134,27 @@ def test_copy_into_is_exact_whichever_loop_copies(monkeypatch, row_bytes):
     scalar = np.zeros((), np.float32)
     copy_into(scalar, np.float32(2.5))
     assert scalar == 2.5
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), itemsize=st.sampled_from([1, 2, 4, 8]))
+def test_host_executor_chooses_copy_into_loop_from_shapes_alone(data, itemsize):
+    # The host executor decides once per plan, from the shapes, which loop copies each
+    # piece (``copy_mode``); it must be the one copy_into picks from the arrays.
+    from reshard._local_executor import copy_mode
+
+    rank = data.draw(st.integers(0, 4))
+    full_src = tuple(data.draw(st.integers(1, 6)) for _ in range(rank))
+    full_dst = tuple(data.draw(st.integers(1, 6)) for _ in range(rank))
+    piece = tuple(
+        data.draw(st.integers(0, min(a, b))) for a, b in zip(full_src, full_dst, strict=True)
+    )
+    dtype = np.dtype(f"u{itemsize}")
+    src, dst = np.zeros(full_src, dtype), np.zeros(full_dst, dtype)
+
+    def box(full):
+        start = [data.draw(st.integers(0, f - p)) for f, p in zip(full, piece, strict=True)]
+        return tuple(slice(a, a + p) for a, p in zip(start, piece, strict=True))
+
+    s, d = src[box(full_src)], dst[box(full_dst)]
+    assert copy_mode(piece, full_src, full_dst, itemsize) == _buffers.row_item(d, s)

@@ -237,6 +237,7 @@ def _broadcast_shardings(sharding: Any, x: Any, n: int) -> list[Any]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def _is_key(dtype: Any) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
@@ -268,7 +269,8 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
         shape = tuple(np.shape(v))
         _check_destination(where, shape, dst)
         return LeafInfo(path, HOST, shape, getattr(v, "dtype", None), None, dst)
-    _check_destination(where, shape, dst)
+    if not _destination_ok(shape, dst):
+        _check_destination(where, shape, dst)
     if not isinstance(src, Sharding):
         raise ValueError(f"leaf {where} has no jax.sharding.Sharding (got {src!r})")
     if _is_key(dtype):
@@ -319,6 +321,17 @@ def _check_destination(where: str, shape: tuple[int, ...], dst: Sharding) -> Non
             f"leaf {where}: shape {shape} cannot be divided by the destination sharding "
             f"{dst}: {e}. Every sharded dimension must be divisible by its shard count"
         ) from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _destination_ok(shape: tuple[int, ...], dst: Sharding) -> bool:
+    """Whether ``_check_destination`` passes (memoised: it runs for every array of
+    every call); where not, the caller runs it again to raise with the leaf named."""
+    try:
+        _check_destination("", shape, dst)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_concrete(where: str, what: str, s: Sharding) -> None:
@@ -394,7 +407,19 @@ def _memory_kind(s: Sharding) -> str:
 
 
 def shard_specs(sharding: Sharding, shape: tuple[int, ...]) -> tuple[ShardSpec, ...]:
-    """The planner's view of a sharding: one ``ShardSpec`` per device, in order."""
+    """The planner's view of a sharding: one ``ShardSpec`` per device, in order.
+
+    Memoised per sharding and shape (``devices_indices_map`` and the boxes cost ~30 us
+    per array, every call without the plan cache); the device order is part of the key
+    (``_compat.ordered_devices``)."""
+    return _shard_specs(sharding, shape, _compat.USE_PRIVATE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_specs(
+    sharding: Sharding, shape: tuple[int, ...], use_private: bool
+) -> tuple[ShardSpec, ...]:
+    del use_private  # part of the cache key only
     index = sharding.devices_indices_map(shape)
     mk = _memory_kind(sharding)
     return tuple(

@@ -55,6 +55,16 @@ def copy_into(dst: np.ndarray, src: np.ndarray, at: tuple[slice, ...] = ()) -> N
     """
     if at:
         dst = dst[at]  # slices: a view
+    row = row_item(dst, src)
+    if row is not None:
+        dst.view(row)[..., 0] = src.view(row)[..., 0]
+    else:
+        dst[...] = src
+
+
+def row_item(dst: np.ndarray, src: np.ndarray) -> np.dtype | None:
+    """The raw item ``copy_into`` copies ``src`` into ``dst`` by, one per row, or
+    ``None`` where it assigns them plainly."""
     if (
         dst.ndim >= 2
         and dst.shape[-1] > 1
@@ -64,10 +74,8 @@ def copy_into(dst: np.ndarray, src: np.ndarray, at: tuple[slice, ...] = ()) -> N
         and dst.strides[-1] == src.strides[-1] == dst.itemsize
         and not (dst.flags.c_contiguous and src.flags.c_contiguous)
     ):
-        row = np.dtype((np.void, dst.shape[-1] * dst.itemsize))
-        dst.view(row)[..., 0] = src.view(row)[..., 0]
-    else:
-        dst[...] = src
+        return np.dtype((np.void, dst.shape[-1] * dst.itemsize))
+    return None
 
 
 def _limit_from_env() -> int:

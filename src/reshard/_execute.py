@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,21 +21,37 @@ from ._plan import HOST, KEY, LeafInfo, Plan
 def _jobs(plan: Plan) -> list[LeafJob]:
     jobs = plan._cache.get("jobs")
     if jobs is None:
-        jobs = plan._cache["jobs"] = [
-            LeafJob.build(lp, np.dtype("uint32" if leaf.kind == KEY else leaf.dtype))
-            for leaf, lp in zip(plan.planned_leaves, plan.leaf_plans, strict=True)
-        ]
+        # Arrays of one geometry share their pieces (``plan_leaves``) and so their job's
+        # slices: built once, each array's job then only names its own leaf plan.
+        built: dict[tuple[Any, ...], LeafJob] = {}
+        jobs = []
+        for leaf, lp in zip(plan.planned_leaves, plan.leaf_plans, strict=True):
+            dtype = np.dtype("uint32" if leaf.kind == KEY else leaf.dtype)
+            spec = lp.spec
+            # Identities are safe here: every object named is held by the plan (and
+            # hashing the shard tuples themselves costs more than building a job).
+            key = (id(lp.kept), id(lp.moved), id(lp.reused), id(spec.src), id(spec.dst), dtype)
+            job = built.get(key)
+            if job is None:
+                job = built[key] = LeafJob.build(lp, dtype)
+            elif job.plan is not lp:
+                job = LeafJob(lp, *(getattr(job, f) for f in _JOB_SHARED))
+            jobs.append(job)
+        plan._cache["jobs"] = jobs
     return jobs
 
 
+# What arrays of one geometry share of their ``LeafJob``: all but the leaf plan.
+_JOB_SHARED = tuple(f.name for f in dataclasses.fields(LeafJob))[1:]
+
+
 def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) -> Any:
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(x)
+    values, treedef = jax.tree_util.tree_flatten(x)
     if treedef != plan.treedef:
         raise ValueError(
             f"x has structure {treedef}, but the plan was built for {plan.treedef}; "
             "build a new plan with reshard.plan(x, sharding)"
         )
-    values = [v for _, v in with_path]
     weak = set()  # weakly typed arrays (jax.device_put keeps that; so does finish)
     for i, (leaf, v) in enumerate(zip(plan.leaves, values, strict=True)):
         if leaf.kind == HOST:
@@ -61,14 +79,6 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         jax.random.key_data(values[i]) if leaf.kind == KEY else values[i] for i, leaf in planned
     ]
     dst_shardings = [_moved_sharding(leaf) for _, leaf in planned]
-    targets = plan._cache.get("targets")
-    if targets is None:
-        # Per planned array: (destination shard index, device) for this process's
-        # devices, in the sharding's own order.
-        targets = plan._cache["targets"] = [
-            [(job.dst_of[d.id], d) for d in _compat.addressable_devices(s)]
-            for job, s in zip(_jobs(plan), dst_shardings, strict=True)
-        ]
 
     alias = aliases(plan, donate=donate, may_alias=may_alias)
     if not planned:
@@ -81,10 +91,19 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         rest = [j for j in range(len(planned)) if j not in skip]
         copied = _compat.copy_shards([sources[j] for j in whole], [dst_shardings[j] for j in whole])
         jobs = _jobs(plan)
+        tkey = f"targets(private={_compat.USE_PRIVATE})"  # as ``whole``
+        targets = plan._cache.get(tkey)
+        if targets is None:
+            # Per array of ``rest``: (destination shard index, device) for this
+            # process's devices, in the sharding's own order.
+            targets = plan._cache[tkey] = [
+                [(jobs[j].dst_of[d.id], d) for d in _compat.addressable_devices(dst_shardings[j])]
+                for j in rest
+            ]
         args = (
             [sources[j] for j in rest],
             [dst_shardings[j] for j in rest],
-            [targets[j] for j in rest],
+            targets,
         )
         rest_alias = [alias[j] for j in rest]
         if not rest:
@@ -136,32 +155,42 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
 
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
-        donated: dict[int, Donated] = {}
+        # Each donated array (by identity) with its data (key data for key arrays).
+        donated: dict[int, tuple[jax.Array, jax.Array]] = {}
+        # Buffer keys, read only where needed: with nothing kept, every donated array
+        # is simply deleted (``_donate``), and reading them costs ~10 us per array.
+        keys_of: dict[int, dict[Key, jax.Array]] = {}
+
+        def keys(v: jax.Array) -> dict[Key, jax.Array]:
+            found = keys_of.get(id(v))
+            if found is None:
+                found = keys_of[id(v)] = _compat.buffer_keys(donated[id(v)][1])
+            return found
+
         kept: set[Key] = set()  # buffers an output took over unchanged
         for (i, _leaf), src, lp, a in zip(planned, sources, plan.leaf_plans, alias, strict=True):
-            _, _, keys = donated.setdefault(
-                id(values[i]), (values[i], src, _compat.buffer_keys(src))
-            )
+            donated.setdefault(id(values[i]), (values[i], src))
             if a and lp.reused:
                 devices = {lp.spec.src[si].device for _, si in lp.reused}
                 # This process's buffers only: the others' kept shards are theirs.
-                kept.update(k for k in keys if k[0] in devices)
+                kept.update(k for k in keys(values[i]) if k[0] in devices)
         for i in given:
             v = values[i]
             data = _data(v)
-            _, _, keys = donated.setdefault(id(v), (v, data, _compat.buffer_keys(data)))
+            donated.setdefault(id(v), (v, data))
             # Asked for a copy, jax.device_put may still hand a buffer over (jax 0.10:
             # key arrays replicated onto more devices): what the output holds is kept.
             if data.size:
                 held = _compat.buffer_keys(_data(out[i]))
-                kept.update(k for k in keys if k in held)
+                kept.update(k for k in keys(v) if k in held)
         # Outputs that may hold a donated buffer: those handed shards over.
         takers = [
             i
             for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True)
             if a and lp.reused
         ]
-        _donate(list(donated.values()), kept, out, takers + given, plan.avoid_devices)
+        found: list[Donated] = [(v, data, keys(v) if kept else {}) for v, data in donated.values()]
+        _donate(found, kept, out, takers + given, plan.avoid_devices)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -226,22 +255,37 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
             zip(plan.planned_leaves, plan.leaf_plans, dst_shardings, strict=True)
         ):
             src = leaf.src_sharding
-            if src is None or leaf.kind == KEY or src.memory_kind != dst.memory_kind:
+            if src is None or leaf.kind == KEY:
                 continue  # key arrays: their data's sharding is made per call
-            src_devs, dst_devs = _compat.ordered_devices(src), _compat.ordered_devices(dst)
-            src_ids = {d.id for d in src_devs}
-            if (
-                len(src_devs) != len(dst_devs)
-                or src_ids & {d.id for d in dst_devs}
-                or src_ids & plan.avoid_devices  # the copy reads every source shard
-            ):
-                continue
-            src_box = {s.device: s.box for s in lp.spec.src}
-            dst_box = {s.device: s.box for s in lp.spec.dst}
-            if all(src_box[a.id] == dst_box[b.id] for a, b in zip(src_devs, dst_devs, strict=True)):
+            if _whole_copy(src, dst, lp.spec.shape, plan.avoid_devices, _compat.USE_PRIVATE):
                 whole.append(j)
         plan._cache[key] = whole
     return whole
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_copy(
+    src: Sharding, dst: Sharding, shape: tuple[int, ...], avoid: frozenset[int], use_private: bool
+) -> bool:
+    """``_copied_whole``'s test for one (non-key) array (memoised: the arrays of a tree
+    share their shardings and shapes). ``use_private`` is part of the key only."""
+    from ._api import shard_specs  # (the API layer imports this module)
+
+    del use_private
+    src_specs, dst_specs = shard_specs(src, shape), shard_specs(dst, shape)
+    if src.memory_kind != dst.memory_kind:
+        return False
+    src_devs, dst_devs = _compat.ordered_devices(src), _compat.ordered_devices(dst)
+    src_ids = {d.id for d in src_devs}
+    if (
+        len(src_devs) != len(dst_devs)
+        or src_ids & {d.id for d in dst_devs}
+        or src_ids & avoid  # the copy reads every source shard
+    ):
+        return False
+    src_box = {s.device: s.box for s in src_specs}
+    dst_box = {s.device: s.box for s in dst_specs}
+    return all(src_box[a.id] == dst_box[b.id] for a, b in zip(src_devs, dst_devs, strict=True))
 
 
 def device_peak_extra(plan: Plan) -> dict[int, int]:
