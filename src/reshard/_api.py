@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 
 from . import _collective_common, _compat, _programs
 from ._errors import DataLossError
-from ._execute import device_peak_extra, execute_plan
+from ._execute import _whole_copy, device_peak_extra, execute_plan
 from ._geometry import box_from_index
 from ._mesh_surgery import device_id
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
@@ -34,11 +34,13 @@ _cache_lock = threading.Lock()
 
 
 def clear_plan_cache() -> None:
-    """Forgets every cached plan, and every compiled program (which equal plans share,
-    cached or not)."""
+    """Forgets every cached plan, every compiled program (which equal plans share,
+    cached or not), and what was memoised per sharding."""
     with _cache_lock:
         _cache.clear()
     _programs.clear()
+    for memo in (_shard_specs, _destination_ok, _whole_copy):  # they hold shardings
+        memo.cache_clear()
 
 
 def plan_cache_size() -> int:
