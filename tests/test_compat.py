@@ -168,3 +168,21 @@ def test_every_private_hook_is_found_on_this_jax():
         "_backends_are_initialized",
     ]
     assert [h for h in hooks if getattr(_compat, h) is None] == []
+
+
+def test_donating_identity_hands_buffers_over_and_keeps_few_programs(monkeypatch):
+    # One program per signature, in the bounded shared cache: shapes that keep changing
+    # (a tree donated each step with new sizes) must not keep every one compiled.
+    from reshard import _programs
+
+    monkeypatch.setattr(_programs, "PROGRAM_CACHE_SIZE", 2)
+    _programs.clear()
+    s = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("a",)), P("a"))
+    for n in range(1, 5):
+        truth = np.arange(8 * n, dtype=np.float32)
+        x = place(truth, s)
+        before = pointers(x)
+        (y,) = _compat.donating_identity([x])
+        assert x.is_deleted() and pointers(y) == before
+        check_result(y, truth, s)
+        assert _programs.size() == min(n, 2)  # its program is in the bounded cache

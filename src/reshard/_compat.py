@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
+
+from . import _programs
 
 
 def _private(module: str, path: str) -> Any:
@@ -195,13 +197,17 @@ def finish(x: jax.Array, aval: Any, fresh: bool) -> jax.Array:
         return x
 
 
-# One jitted identity for everything: the cache keys on the arguments' avals and
-# shardings, and donation makes XLA alias every output to its input buffer. Its
-# arguments must share one device assignment, order included (one jit call), and no
-# buffer.
-donating_identity: Callable[[list[jax.Array]], list[jax.Array]] = jax.jit(
-    lambda arrays: arrays, donate_argnums=0
-)
+def donating_identity(arrays: list[jax.Array]) -> list[jax.Array]:
+    """``arrays`` on new handles over the same buffers: a jitted identity that donates
+    its arguments, so XLA aliases every output to its input buffer. The arguments must
+    share one device assignment, order included (one jit call), and no buffer.
+
+    One jitted function per signature (avals and shardings), in the bounded cache of
+    compiled programs (``_programs``): one jitted function for everything would keep
+    an executable for every signature it ever saw."""
+    key = ("donating_identity", tuple((jax.typeof(a), a.sharding) for a in arrays))
+    fn = _programs.shared(key, lambda: jax.jit(lambda xs: xs, donate_argnums=0))
+    return fn(arrays)  # type: ignore[no-any-return]
 
 
 def with_buffers(x: jax.Array, buffers: Sequence[jax.Array]) -> jax.Array:
