@@ -57,9 +57,15 @@ def copy_into(dst: np.ndarray, src: np.ndarray, at: tuple[slice, ...] = ()) -> N
         dst = dst[at]  # slices: a view
     row = row_item(dst, src)
     if row is not None:
-        dst.view(row)[..., 0] = src.view(row)[..., 0]
+        copy_rows(dst, src, row)
     else:
         dst[...] = src
+
+
+def copy_rows(dst: np.ndarray, src: np.ndarray, row: np.dtype) -> None:
+    """``dst[...] = src``, each row along the last axis copied as one raw ``row`` item
+    (``row_item``); raises ``ValueError`` where a last axis is not contiguous."""
+    dst.view(row)[..., 0] = src.view(row)[..., 0]
 
 
 def row_item(dst: np.ndarray, src: np.ndarray) -> np.dtype | None:

@@ -272,7 +272,6 @@ def _whole_copy(
     from ._api import shard_specs  # (the API layer imports this module)
 
     del use_private
-    src_specs, dst_specs = shard_specs(src, shape), shard_specs(dst, shape)
     if src.memory_kind != dst.memory_kind:
         return False
     src_devs, dst_devs = _compat.ordered_devices(src), _compat.ordered_devices(dst)
@@ -283,8 +282,8 @@ def _whole_copy(
         or src_ids & avoid  # the copy reads every source shard
     ):
         return False
-    src_box = {s.device: s.box for s in src_specs}
-    dst_box = {s.device: s.box for s in dst_specs}
+    src_box = {s.device: s.box for s in shard_specs(src, shape)}
+    dst_box = {s.device: s.box for s in shard_specs(dst, shape)}
     return all(src_box[a.id] == dst_box[b.id] for a, b in zip(src_devs, dst_devs, strict=True))
 
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _buffers, _compat, _programs
-from ._buffers import carve, copy_into, host_empty
+from ._buffers import carve, copy_into, copy_rows, host_empty
 from ._geometry import box_shape, relative_slices
 from ._planner import LeafPlan
 
@@ -119,11 +119,10 @@ def _fill(
         if row is None:
             out[dsl] = v[ssl]
         else:
-            d, piece = out[dsl], v[ssl]
             try:
-                d.view(row)[..., 0] = piece.view(row)[..., 0]
+                copy_rows(out[dsl], v[ssl], row)
             except ValueError:  # pragma: no cover - a source with a strided last axis
-                copy_into(d, piece)
+                copy_into(out, v[ssl], dsl)
     return out
 
 
