@@ -204,6 +204,14 @@ def test_shrink_mesh_and_grow_mesh_on_jax_meshes():
     assert reshard.grow_mesh(small, full, "data") is full
     regrown = reshard.grow_mesh(small, DEVICES[4:8], "data")
     assert regrown == full
+    # Device ids, as shrink_mesh and ElasticManager take them, grow into devices.
+    by_ids = reshard.grow_mesh(small, [4, np.int64(5), 6, DEVICES[7]], "data")
+    assert by_ids == full
+    assert all(isinstance(d, jax.Device) for d in by_ids.devices.flat)
+    with pytest.raises(ValueError, match=r"no cpu device has id 99 \(ids 0\.\.7 exist\)"):
+        reshard.grow_mesh(small, [4, 5, 6, 99], "data")
+    with pytest.raises(ValueError, match=r"True is neither a device nor a device id"):
+        reshard.grow_mesh(small, [4, 5, 6, True], "data")
     # Shrinking the inner axis.
     assert reshard.shrink_mesh(full, [2], "fsdp").device_ids.tolist() == [[0, 1, 3], [4, 5, 7]]
 

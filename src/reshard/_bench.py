@@ -383,7 +383,7 @@ def format_table(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--size-mb", type=float, default=300)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))

@@ -362,7 +362,7 @@ def _failure_message(target: str, results: list[ProcessResult], timeout_s: float
     else:
         first = failed[0]
         head = (
-            f"launch_local({target!r}) timed out after {timeout_s:.0f} s and every "
+            f"launch_local({target!r}) timed out after {timeout_s:g} s and every "
             "still-running process was killed; raise timeout_s if the work needs longer."
         )
     lines = [head, *("  " + r.describe() for r in results)]

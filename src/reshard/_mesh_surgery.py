@@ -276,9 +276,9 @@ def grow_mesh(mesh: Mesh, devices_or_mesh: Sequence[Any] | Mesh, axis: str) -> M
 
     Args:
       mesh: the current (shrunk) mesh.
-      devices_or_mesh: either the devices that came back, which are appended as whole
-        new slices along ``axis`` (their number must be a multiple of the slice size),
-        or a target ``Mesh`` -- typically the mesh before the loss -- that is checked
+      devices_or_mesh: either the devices (or device ids) that came back, which are
+        appended as whole new slices along ``axis`` (their number must be a multiple of
+        the slice size), or a target ``Mesh`` -- typically the mesh before the loss -- that is checked
         and returned: same axis names, same sizes on the other axes, not smaller along
         ``axis``, and holding every device of ``mesh``.
       axis: the mesh axis that grows.
@@ -301,7 +301,32 @@ def grow_mesh(mesh: Mesh, devices_or_mesh: Sequence[Any] | Mesh, axis: str) -> M
     if isinstance(devices_or_mesh, Mesh):
         check_grow_target(mesh, devices_or_mesh, axis)
         return devices_or_mesh
-    return _new_mesh(grow_grid(mesh.devices, mesh.axis_names, devices_or_mesh, axis), mesh)
+    new = _as_devices(devices_or_mesh, mesh)
+    return _new_mesh(grow_grid(mesh.devices, mesh.axis_names, new, axis), mesh)
+
+
+def _as_devices(items: Iterable[Any], mesh: Mesh) -> list[Any]:
+    """``items`` with every integer id replaced by the JAX device of that id.
+
+    A ``Mesh`` holds devices, so ids (accepted everywhere else devices are named) are
+    looked up among the devices of the mesh's platform.
+    """
+    platform = mesh.devices.flat[0].platform
+    by_id: dict[int, Any] = {}
+    out = []
+    for d in items:
+        if isinstance(d, bool):
+            raise ValueError(f"grow_mesh: {d!r} is neither a device nor a device id")
+        if isinstance(d, int | np.integer):
+            by_id = by_id or {x.id: x for x in jax.devices(platform)}
+            if int(d) not in by_id:
+                raise ValueError(
+                    f"grow_mesh: no {platform} device has id {int(d)} (ids {min(by_id)}.."
+                    f"{max(by_id)} exist); pass devices, or ids of devices JAX has"
+                )
+            d = by_id[int(d)]
+        out.append(d)
+    return out
 
 
 def check_grow_target(mesh: Mesh, target: Mesh, axis: str) -> None:
