@@ -353,6 +353,9 @@ def test_plan_colours_only_on_a_terminal() -> None:
         (["demo", "--size-mb", "-1"], ["--size-mb", "> 0"]),
         (["demo", "--devices", "6", "--processes", "4"], ["evenly"]),
         (["bench", "--cases", "nope"], ["unknown case", "disjoint"]),
+        # An empty list is a mistake, not "every case" (the whole suite takes minutes).
+        (["bench", "--cases", ""], ["--cases names no case ('')", "e.g. --cases disjoint"]),
+        (["bench", "--cases", " , "], ["--cases names no case (' , ')"]),
         (["dmeo"], ["invalid choice", "demo"]),
         # Not a finite size, or more than any machine's memory: refused before any work.
         (["demo", "--size-mb", "inf"], ["--size-mb", "finite"]),
@@ -399,6 +402,35 @@ def test_a_closed_stdout_pipe_exits_0_quietly(json_flag: list[str]) -> None:
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 0, err
     assert err == ""
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_closed_stdout_pipe_keeps_the_runs_own_exit_code(
+    json_flag: list[str], unbuffered: bool
+) -> None:
+    """Data loss piped into a reader that left is still exit 1, with its stderr line.
+
+    Unbuffered, the first write meets the closed pipe in the middle of the run: the
+    run must still go to its end instead of ending there with exit 0.
+    """
+    args = ["plan", "--shape", "48,64", "--src-mesh", "8", "--dst-mesh", "6", "--avoid", "6,7"]
+    env = _env()
+    env.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reshard", *args, *json_flag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1, err
+    assert err.startswith("reshard plan: ") and "Traceback" not in err, err
 
 
 def test_plan_of_exabytes_counts_past_int64() -> None:
@@ -486,9 +518,11 @@ def test_bench_without_a_suite_exits_2(module: str) -> None:
     importlib.util.find_spec("reshard._bench") is None, reason="no packaged benchmark suite"
 )
 def test_bench_real_suite_small() -> None:
+    # The suite is defined on simulated CPU devices whatever platform the user's
+    # environment asks for (here one this machine does not have).
     out = run_json(
         "bench", "--size-mb", SIZE_MB, "--repeats", "1", "--cases", "relayout", "--no-rss",
-        timeout=160,
+        timeout=160, JAX_PLATFORMS="cuda",
     )  # fmt: skip
     assert out["suite"] == "reshard._bench:run"
     (row,) = out["rows"]

@@ -359,6 +359,15 @@ def test_bad_arguments_are_rejected_with_the_value() -> None:
         launch_local("x:y", args=[object()])
     with pytest.raises(ValueError, match="timeout_s > 0"):
         launch_local("x:y", timeout_s=0)
+    # NaN compares false with everything: as a limit it would never end the launch.
+    with pytest.raises(ValueError, match="timeout_s > 0.*timeout_s=nan"):
+        launch_local("x:y", timeout_s=float("nan"))
+    with pytest.raises(ValueError, match="peer_failure_grace_s >= 0.*grace_s=nan"):
+        launch_local("x:y", peer_failure_grace_s=float("nan"))
+    with pytest.raises(ValueError, match="whole seconds >= 1.*'init_timeout_s': 5.5"):
+        launch_local("x:y", init_timeout_s=5.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="whole seconds >= 1.*'shutdown_timeout_s': 0"):
+        launch_local("x:y", shutdown_timeout_s=0)
 
 
 def test_initialize_from_env_outside_a_launch_says_how_to_fix(

@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,14 +30,13 @@ SCENARIOS = ("disjoint", "sync", "relayout", "shrink", "leaves", "narrow")
 
 
 def setup_devices(n: int = 8) -> None:
-    """Simulates ``n`` CPU devices; must run before JAX initialises."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
+    """Simulates ``n`` CPU devices, whatever ``JAX_PLATFORMS`` says; before JAX starts.
 
-    jax.config.update("jax_num_cpu_devices", n)
+    The suite is defined on CPU devices, as the demo is (the same settings).
+    """
+    from ._cli_demo import configure_cpu_devices
+
+    configure_cpu_devices(n)
 
 
 @dataclasses.dataclass
@@ -290,8 +290,13 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _rss_child(name: str, size_mb: float, which: str) -> None:
+def _rss_child(name: str, size_mb: float, which: str, parent: int) -> None:
     """In a fresh process: the peak-RSS rise of one reshard / device_put."""
+    from ._launch import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL)  # a killed `reshard bench` takes us along
+    if os.getppid() != parent:  # it died before we asked
+        return
     setup_devices(8)
     import jax
 
@@ -312,7 +317,7 @@ def _rss_child(name: str, size_mb: float, which: str) -> None:
 def measure_rss(name: str, size_mb: float, which: str) -> float:
     code = (
         "import sys; from reshard._bench import _rss_child; "
-        f"_rss_child({name!r}, {size_mb!r}, {which!r})"
+        f"_rss_child({name!r}, {size_mb!r}, {which!r}, {os.getpid()})"
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     res = subprocess.run(

@@ -25,7 +25,7 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO, cast
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -181,13 +181,7 @@ def console() -> Any:
     """The stdout console: colours only on a terminal; no guessing of highlights."""
     from rich.console import Console
 
-    class _Console(Console):
-        def on_broken_pipe(self) -> None:
-            # rich would exit with code 1 itself; `main` treats a closed pipe as success.
-            self.quiet = True
-            raise BrokenPipeError
-
-    return _Console(highlight=False)
+    return Console(highlight=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,12 +194,14 @@ def main(argv: Sequence[str] | None = None) -> int:
       The exit code: 0 success, 1 failure (e.g. data loss), 2 a command-line mistake.
     """
     prog = "reshard"
-    code = 0
+    stdout = sys.stdout
+    out = _ReaderMayLeave(stdout)
+    sys.stdout = cast(TextIO, out)
     try:
         args = build_parser().parse_args(argv)
         prog = f"reshard {args.command}"
         code = int(args.run(args, console()))
-        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        out.flush()  # a closed pipe shows here at the latest, not at the interpreter's exit
         return code
     except UsageError as e:
         print(f"{e.prog or prog}: error: {e}", file=sys.stderr)
@@ -213,9 +209,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("reshard: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # `reshard plan ... | head`: the reader left; nothing is wrong, and the exit code
-        # is the run's (0 unless it failed). Point stdout at /dev/null so the
-        # interpreter's final flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return code
+    finally:
+        sys.stdout = stdout
+
+
+class _ReaderMayLeave:
+    """``sys.stdout`` for a command whose reader may stop early (``reshard plan | head``).
+
+    Once a write or flush meets a closed pipe, stdout is pointed at ``/dev/null`` and
+    the rest of the output is dropped, so the command still runs to its end: its exit
+    code (1 for data loss, say) and its messages on stderr are the same as when its
+    output is read in full. Everything else is the wrapped stream's.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                self._stream.write(text)
+            except BrokenPipeError:
+                self._reader_left()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_left()
+
+    def _reader_left(self) -> None:
+        self._gone = True
+        # What the stream still buffers then goes to /dev/null, at the latest when the
+        # interpreter flushes it on exit, without raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

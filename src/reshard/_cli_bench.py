@@ -166,11 +166,16 @@ def run(args: argparse.Namespace, console: Any) -> int:
     except SuiteNotAvailable as e:
         print(f"reshard bench: {e}", file=sys.stderr)
         return 2
-    cases = tuple(c.strip() for c in args.cases.split(",") if c.strip()) if args.cases else None
     known = getattr(module, "SCENARIOS", None)
+    cases = None
+    if args.cases is not None:
+        cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
+        if not cases:
+            examples = f", e.g. --cases {known[0]}" if known else ""
+            raise UsageError(f"--cases names no case ({args.cases!r}){examples}")
     if cases is not None and known is not None:
         bad = [c for c in cases if c not in known]
-        if bad or not cases:
+        if bad:
             raise UsageError(
                 f"--cases: unknown case(s) {bad}; choose from {','.join(known)}, "
                 f"e.g. --cases {known[0]}"

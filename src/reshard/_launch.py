@@ -60,6 +60,7 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +210,22 @@ def launch_local(
             "launch_local needs num_processes >= 1 and devices_per_process >= 1; got "
             f"num_processes={num_processes}, devices_per_process={devices_per_process}."
         )
-    if timeout_s <= 0:
-        raise ValueError(f"launch_local needs timeout_s > 0; got timeout_s={timeout_s}.")
+    if not timeout_s > 0 or not peer_failure_grace_s >= 0:  # NaN fails both
+        raise ValueError(
+            "launch_local needs timeout_s > 0 and peer_failure_grace_s >= 0; got "
+            f"timeout_s={timeout_s}, peer_failure_grace_s={peer_failure_grace_s}."
+        )
+    seconds = {
+        "init_timeout_s": init_timeout_s,
+        "heartbeat_timeout_s": heartbeat_timeout_s,
+        "shutdown_timeout_s": shutdown_timeout_s,
+    }
+    bad = [v for v in seconds.values() if isinstance(v, bool) or not isinstance(v, Integral)]
+    if bad or any(v < 1 for v in seconds.values()):
+        raise ValueError(
+            "launch_local needs init_timeout_s, heartbeat_timeout_s and shutdown_timeout_s "
+            f"as whole seconds >= 1 (jax.distributed takes ints); got {seconds}."
+        )
     try:
         args_json = json.dumps(list(args))
     except TypeError as e:
@@ -478,6 +493,18 @@ def initialize_from_env() -> None:
     )
 
 
+def set_parent_death_signal(sig: int) -> None:
+    """Asks Linux to send this process ``sig`` when its parent dies (else does nothing).
+
+    The signal comes when the thread that started this process ends, so start children
+    from a thread that lives as long as they should.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
 def _die_with_parent() -> None:
     """Makes this child, and everything it spawned, end when the launcher dies.
 
@@ -498,10 +525,7 @@ def _die_with_parent() -> None:
         os.killpg(0, signal.SIGKILL)
 
     signal.signal(signal.SIGTERM, end_group)
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    set_parent_death_signal(signal.SIGTERM)
     if parent and os.getppid() != parent:
         end_group()
 
