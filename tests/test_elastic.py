@@ -512,6 +512,29 @@ def test_manager_mark_lost_then_returned(caplog):
     assert ev.bytes_moved == 128 + 4 * 4 and em.inactive_devices == ()
 
 
+def test_manager_events_report_changes_that_needed_no_move():
+    """A loss inside a slice already dropped moves nothing; the next event still says it."""
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    em = reshard.ElasticManager(full, "data")
+    state = simple_state(full)
+    em.mark_lost([5])
+    state, _ = em.run_step(add_one, state)
+    em.mark_lost([6])  # its slice is already dropped: no move, no event
+    state, _ = em.run_step(add_one, state)
+    em.mark_returned([5])  # the slice still holds 6: no move, no event
+    state, _ = em.run_step(add_one, state)
+    assert [(e.kind, e.lost, e.returned) for e in em.events] == [("shrink", (5,), ())]
+    em.mark_returned([6])
+    state, _ = em.run_step(add_one, state)
+    assert [(e.kind, e.lost, e.returned) for e in em.events] == [
+        ("shrink", (5,), ()),
+        ("grow", (6,), (5, 6)),
+    ]
+    assert "devices [6] lost, devices [5, 6] returned" in str(em.events[-1])
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(32.0).reshape(8, 4) + 4)
+    assert state["w"].sharding == NamedSharding(full, P("fsdp"))
+
+
 def test_manager_recovers_from_an_error_raised_in_the_step():
     full = mesh_of((4, 2), ("data", "fsdp"))
     em = reshard.ElasticManager(full, "data", donate=True)
@@ -542,7 +565,9 @@ def test_manager_retry_limit_and_unrelated_errors():
         RuntimeError, match=r"gave up after 2 retries; the last attempt lost devices \[2\]"
     ):
         em.run_step(always_failing, state)
-    assert em.lost_devices == {0, 1}  # the third loss was not applied
+    # The third loss is recorded too (the next apply avoids it), though not applied.
+    assert em.lost_devices == {0, 1, 2} and em.pending
+    assert dict(em.mesh.shape) == {"data": 6}
 
     def buggy(state, mesh):
         raise ValueError("shapes do not match on device 3")
@@ -556,7 +581,8 @@ def test_manager_retry_limit_and_unrelated_errors():
     # A loss of devices outside the current mesh is not ours to handle: re-raised.
     with pytest.raises(reshard.DeviceLossError, match=r"devices \[0\] lost"):
         em.run_step(loses_an_inactive_device, state)
-    assert em.lost_devices == {0, 1} and not em.pending
+    assert em.lost_devices == {0, 1, 2} and not em.pending
+    assert dict(em.mesh.shape) == {"data": 5}
 
 
 def test_manager_data_loss_leaves_everything_as_it_was():

@@ -168,8 +168,10 @@ class ElasticEvent:
 
     Attributes:
       kind: ``"shrink"`` (devices lost), ``"grow"`` (devices back) or ``"remesh"``.
-      lost: ids of the devices lost since the previous event.
-      returned: ids of the devices that came back since the previous event.
+      lost: ids of the devices marked lost since the previous event (also those whose
+        loss needed no move, e.g. in a slice already dropped).
+      returned: ids of the devices that came back since the previous event (a device
+        can be in both, when it was lost and came back in between).
       old_shape / new_shape: mesh axis sizes before and after.
       state_bytes: logical bytes of the recovered state (each element once).
       bytes_moved: bytes copied between devices.
@@ -286,6 +288,10 @@ class ElasticManager:
         self._new_lost: set[int] = set()
         self._new_back: set[int] = set()
         self._cause = ""
+        # What the next event reports: every device marked lost / returned since the
+        # previous event, including changes that needed no move of the state.
+        self._event_lost: set[int] = set()
+        self._event_back: set[int] = set()
         # The last state ``apply`` produced, until a step on it succeeds: what a caller
         # continues from when ``run_step`` raises after moving a donated state.
         self.recovered_state: Any = None
@@ -332,6 +338,7 @@ class ElasticManager:
         self._lost |= new
         self._new_lost |= new
         self._new_back -= new
+        self._event_lost |= new
         if new:
             self._cause = cause
             logger.warning("devices %s reported lost (%s)", sorted(new), cause)
@@ -346,6 +353,7 @@ class ElasticManager:
         self._lost -= ids
         self._new_back |= ids - self._new_lost
         self._new_lost -= ids
+        self._event_back |= ids
         if ids:
             self._cause = "mark_returned"
             logger.info("devices %s reported back", sorted(ids))
@@ -416,8 +424,8 @@ class ElasticManager:
         n_old, n_new = math.prod(old_shape.values()), target.devices.size
         event = ElasticEvent(
             kind="shrink" if n_new < n_old else "grow" if n_new > n_old else "remesh",
-            lost=tuple(sorted(self._new_lost)),
-            returned=tuple(sorted(self._new_back)),
+            lost=tuple(sorted(self._event_lost)),
+            returned=tuple(sorted(self._event_back)),
             old_shape=old_shape,
             new_shape=new_shape,
             state_bytes=p.stats.array_bytes,
@@ -427,6 +435,8 @@ class ElasticManager:
             cause=self._cause or "the state was not on the current mesh",
         )
         self.events.append(event)
+        self._event_lost.clear()
+        self._event_back.clear()
         logger.warning("%s", event)
         self._mesh = target
         self._clear()
@@ -475,10 +485,11 @@ class ElasticManager:
                 if not lost:
                     raise
                 failures += 1
+                # Recorded before giving up, too: the next apply must avoid them.
+                self.mark_lost(lost, cause=f"{type(e).__name__}: {e}")
                 if failures > self.max_retries:
                     raise RuntimeError(
                         f"ElasticManager: gave up after {self.max_retries} retries; the last "
                         f"attempt lost devices {sorted(lost)} (lost so far: "
-                        f"{sorted(self._lost | lost)}). Raise max_retries, or check the hardware"
+                        f"{sorted(self._lost)}). Raise max_retries, or check the hardware"
                     ) from e
-                self.mark_lost(lost, cause=f"{type(e).__name__}: {e}")
