@@ -164,8 +164,17 @@ def test_grid_errors_name_the_argument_and_the_fix():
         r"device ids \[\[0, 1, 2, 3\], \[4, 5, 6, 7\]\], lost devices \[1, 6\].*another axis",
     ):
         shrink_grid(ids, names, [1, 6, 99], "data")
-    with pytest.raises(ValueError, match=r"allowed_sizes=\[2\] has no positive size <= 1"):
+    with pytest.raises(ValueError, match=r"allowed_sizes=\[2\] has no size <= 1"):
         shrink_grid(ids, names, [5], "data", allowed_sizes=[2])
+    # Sizes that are not whole, or not >= 1, are mistakes (1.5 was taken as 1).
+    for bad in ([1.5], [0, 2], [], [True], ["ab"]):
+        with pytest.raises(ValueError, match=r"allowed_sizes must hold integer sizes >= 1"):
+            shrink_grid(ids, names, [5], "data", allowed_sizes=bad)
+    # One device where a list is expected, and booleans, which Python counts as ints.
+    with pytest.raises(TypeError, match=r"got int: 5 \(for one device, pass \[device\]\)"):
+        shrink_grid(ids, names, 5, "data")
+    with pytest.raises(ValueError, match=r"integer device id, got bool: True"):
+        shrink_grid(ids, names, [True], "data")
     small = ids[:1]
     with pytest.raises(
         ValueError, match=r"got 2 device\(s\), but a slice along axis 'data' needs 4.*add 2 more"
@@ -535,6 +544,28 @@ def test_manager_events_report_changes_that_needed_no_move():
     assert state["w"].sharding == NamedSharding(full, P("fsdp"))
 
 
+def test_leaves_that_are_not_arrays_come_back_as_they_are():
+    """A state with a Python int and a numpy array: only the arrays move to the mesh."""
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    host = np.arange(6.0)
+    state = {"w": simple_state(full)["w"], "epoch": 3, "rng": host, "none": None}
+    small = reshard.shrink_mesh(full, [6], "data")
+    out = reshard.recover(state, small, [6])
+    assert out["epoch"] == 3 and out["rng"] is host and out["none"] is None
+    assert out["w"].sharding == NamedSharding(small, P("fsdp"))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(32.0).reshape(8, 4))
+    # Errors still name the array's own leaf path.
+    opt = jax.device_put(np.arange(16.0), NamedSharding(full, P(("data", "fsdp"))))
+    with pytest.raises(reshard.DataLossError, match=r"\['opt'\]\[12:14\]"):
+        reshard.recover({"step": 1, "opt": opt}, small, [6])
+
+    em = reshard.ElasticManager(full, "data")
+    em.mark_lost([6])
+    (new, aux) = em.run_step(lambda st, mesh: (dict(st, epoch=st["epoch"] + 1), None), state)
+    assert new["epoch"] == 4 and new["rng"] is host and em.events[-1].kind == "shrink"
+    assert new["w"].sharding == NamedSharding(em.mesh, P("fsdp"))
+
+
 def test_manager_recovers_from_an_error_raised_in_the_step():
     full = mesh_of((4, 2), ("data", "fsdp"))
     em = reshard.ElasticManager(full, "data", donate=True)
@@ -600,8 +631,15 @@ def test_manager_argument_errors():
     full = mesh_of((2, 4), ("data", "fsdp"))
     with pytest.raises(ValueError, match=r"axis 'dp' is not an axis of the mesh"):
         reshard.ElasticManager(full, "dp")
-    with pytest.raises(ValueError, match=r"max_retries must be >= 0, got -1"):
-        reshard.ElasticManager(full, "data", max_retries=-1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"max_retries must be an integer >= 0, got {bad}"):
+            reshard.ElasticManager(full, "data", max_retries=bad)
+    with pytest.raises(ValueError, match=r"ElasticManager: allowed_sizes must hold .* got \(0,\)"):
+        reshard.ElasticManager(full, "data", allowed_sizes=(0,))
+    with pytest.raises(
+        TypeError, match=r"got Device: CpuDevice\(id=5\) \(for one device, pass \[device\]\)"
+    ):
+        reshard.shrink_mesh(full, DEVICES[5], "data")
     em = reshard.ElasticManager(mesh_of((1, 4), ("data", "fsdp")), "data")
     with pytest.raises(ValueError, match=r"devices \[6\] are not in the full mesh.*grow_mesh"):
         em.mark_lost([6])
@@ -617,6 +655,9 @@ def test_manager_argument_errors():
         (RuntimeError("UNAVAILABLE: TPU_3(process=0,(1,1,0,0)) heartbeat lost"), {3}),
         (RuntimeError("INTERNAL: device 2 failed: Xid 79"), {2}),
         (RuntimeError("DATA_LOSS on devices [4, 5]"), {4, 5}),
+        (RuntimeError("UNAVAILABLE: device ids: 4, 5 stopped responding"), {4, 5}),
+        (RuntimeError("UNAVAILABLE: devices 6, 7 lost"), {6, 7}),
+        (RuntimeError("UNAVAILABLE: device ids (1, 2) halted"), {1, 2}),
         (RuntimeError("CudaDevice(id=6) is unhealthy"), {6}),
         (RuntimeError("INTERNAL: gpu:1 uncorrectable ECC error"), {1}),
         (RuntimeError("RESOURCE_EXHAUSTED: out of memory on device 3, allocation failed"), set()),

@@ -31,7 +31,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from ._api import plan as make_plan
-from ._mesh_surgery import carry_shardings, device_id, shrink_mesh
+from ._mesh_surgery import carry_shardings, check_allowed_sizes, device_id, shrink_mesh
 from ._plan import Plan, human_bytes
 
 logger = logging.getLogger("reshard.elastic")
@@ -60,6 +60,18 @@ def _recover_with_plan(
 ) -> tuple[Any, Plan]:
     lost = frozenset(device_id(d) for d in lost_devices)
     if isinstance(sharding, Mesh):
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        if not all(isinstance(a, jax.Array) for a in leaves):
+            # Only arrays live on a mesh: the rest (a step count as a Python int, say)
+            # comes back as it is, and the arrays keep their leaf paths in errors.
+            arrays = [a if isinstance(a, jax.Array) else None for a in leaves]
+            only = jax.tree_util.tree_unflatten(treedef, arrays)
+            out, p = _recover_with_plan(only, sharding, lost, donate=donate)
+            moved = iter(jax.tree_util.tree_leaves(out))
+            back = [
+                next(moved) if a is not None else b for a, b in zip(arrays, leaves, strict=True)
+            ]
+            return jax.tree_util.tree_unflatten(treedef, back), p
         sharding = carry_shardings(x, sharding)
     # Elastic events are rare and each has its own avoided set: no point caching.
     p = make_plan(x, sharding, avoid_devices=lost, cache=False)
@@ -75,9 +87,11 @@ def recover(x: Any, sharding: Any, lost_devices: Iterable[Any], *, donate: bool 
     any byte moves.
 
     Args:
-      x: a pytree of ``jax.Array``s (other leaves go through ``jax.device_put``).
+      x: a pytree of ``jax.Array``s. Other leaves go through ``jax.device_put`` when
+        ``sharding`` is a ``Sharding`` or a pytree of them, and come back as they are
+        when it is a ``Mesh``.
       sharding: a ``Sharding``, a pytree of them that is a tree prefix of ``x``, or a
-        ``Mesh`` -- then each leaf keeps its spec on that mesh (``carry_shardings``).
+        ``Mesh`` -- then each array keeps its spec on that mesh (``carry_shardings``).
         It must not use lost devices (build it with ``shrink_mesh``).
       lost_devices: devices (or ids) that must not be read.
       donate: free the sources once the whole pytree has been recovered; when
@@ -113,9 +127,12 @@ _FAILURE = re.compile(
     re.IGNORECASE,
 )
 _NOT_LOSS = re.compile(r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b", re.IGNORECASE)
-# "devices [4, 5]", "device ids: 4, 5"
+# "devices [4, 5]", "device ids (4, 5)"; without brackets only after a plural: "device
+# ids: 4, 5", "devices 4, 5" (a bare "device 3, 4 ..." is one device, see below).
 _ID_LIST = re.compile(
-    r"\bdevices?[ _]?(?:ids?)?\s*[:=]?\s*[\[(]\s*(\d+(?:\s*,\s*\d+)*)\s*[\])]", re.I
+    r"\bdevices?[ _]?(?:ids?)?\s*[:=]?\s*[\[(]\s*(\d+(?:\s*,\s*\d+)*)\s*[\])]"
+    r"|\b(?:devices|device[ _]ids)\s*[:=]?\s*(\d+(?:\s*,\s*\d+)*)\b",
+    re.I,
 )
 # "device 3", "device_id=3", "Device(id=3", "TPU_3", "TpuDevice(id=3", "gpu:3", "cuda 3"
 _ID_ONE = re.compile(
@@ -156,7 +173,7 @@ def parse_lost_devices(error: BaseException) -> frozenset[int]:
         return frozenset()
     ids: set[int] = set()
     for m in _ID_LIST.finditer(text):
-        ids.update(int(i) for i in m.group(1).split(","))
+        ids.update(int(i) for i in (m.group(1) or m.group(2)).split(","))
     for m in _ID_ONE.finditer(text):
         ids.add(int(m.group(1) or m.group(2)))
     return frozenset(ids)
@@ -272,12 +289,14 @@ class ElasticManager:
                 f"ElasticManager: axis {axis!r} is not an axis of the mesh (axis names "
                 f"{tuple(mesh.axis_names)}); pass the data-parallel axis"
             )
-        if max_retries < 0:
-            raise ValueError(f"ElasticManager: max_retries must be >= 0, got {max_retries}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(
+                f"ElasticManager: max_retries must be an integer >= 0, got {max_retries!r}"
+            )
         self.full_mesh = mesh
         self.axis = axis
         self.max_retries = max_retries
-        self.allowed_sizes = None if allowed_sizes is None else tuple(allowed_sizes)
+        self.allowed_sizes = check_allowed_sizes(allowed_sizes, "ElasticManager")
         self.error_parser = error_parser
         self.donate = donate
         self.events: list[ElasticEvent] = []
@@ -380,7 +399,7 @@ class ElasticManager:
 
         Args:
           state: a pytree of arrays with ``NamedSharding``s on a mesh of the full mesh's
-            devices (normally ``self.mesh``).
+            devices (normally ``self.mesh``); other leaves come back as they are.
 
         Returns:
           The state on ``self.mesh`` (the same object when it is already there).
@@ -408,9 +427,7 @@ class ElasticManager:
         avoid = self._lost & held
         t0 = time.perf_counter()
         try:
-            out, p = _recover_with_plan(
-                state, carry_shardings(state, target), avoid, donate=self.donate
-            )
+            out, p = _recover_with_plan(state, target, avoid, donate=self.donate)
         except Exception:
             logger.error(
                 "could not move the state from mesh %s to %s avoiding devices %s",

@@ -39,7 +39,7 @@ def device_id(d: Any) -> int:
       >>> device_id(3), device_id(jax.devices()[0])
       (3, 0)
     """
-    if isinstance(d, int | np.integer):
+    if isinstance(d, int | np.integer) and not isinstance(d, bool | np.bool_):
         return int(d)
     i = getattr(d, "id", None)
     if not isinstance(i, int | np.integer):
@@ -84,7 +84,26 @@ def axis_position(axis_names: Sequence[Any], axis: Any, where: str) -> int:
 
 
 def _ids(devices: Iterable[Any]) -> list[int]:
+    if isinstance(devices, str | bytes) or not isinstance(devices, Iterable):
+        raise TypeError(
+            f"expected a list of devices or device ids, got {type(devices).__name__}: "
+            f"{devices!r} (for one device, pass [device])"
+        )
     return [device_id(d) for d in devices]
+
+
+def check_allowed_sizes(allowed_sizes: Iterable[int] | None, where: str) -> tuple[int, ...] | None:
+    """``allowed_sizes`` as a sorted tuple of distinct sizes, each an integer >= 1."""
+    if allowed_sizes is None:
+        return None
+    sizes = list(allowed_sizes)
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int | np.integer) or s < 1]
+    if bad or not sizes:
+        raise ValueError(
+            f"{where}: allowed_sizes must hold integer sizes >= 1 of the axis, e.g. (1, 2, 4); "
+            f"got {tuple(sizes)}"
+        )
+    return tuple(sorted({int(s) for s in sizes}))
 
 
 def clean_slices(ids: np.ndarray, k: int, lost: Iterable[int]) -> list[int]:
@@ -131,13 +150,13 @@ def shrink_grid(
     ids = grid_ids(devices)
     keep = clean_slices(ids, k, lost)
     n = len(keep)
-    if allowed_sizes is not None:
-        sizes = sorted({int(s) for s in allowed_sizes})
-        fitting = [s for s in sizes if 0 < s <= n]
+    sizes = check_allowed_sizes(allowed_sizes, "shrink_mesh")
+    if sizes is not None:
+        fitting = [s for s in sizes if s <= n]
         if not fitting:
             raise ValueError(
                 f"shrink_mesh: {n} slice(s) along axis {axis!r} are free of lost devices, "
-                f"but allowed_sizes={sizes} has no positive size <= {n}; "
+                f"but allowed_sizes={list(sizes)} has no size <= {n}; "
                 f"{describe_grid(devices, axis_names)}, lost devices {sorted(lost)}. "
                 "Allow smaller sizes, or restore from a checkpoint on fewer devices"
             )
