@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 
 from . import _collective_common, _compat, _programs
 from ._errors import DataLossError
-from ._execute import _whole_copy, device_peak_extra, execute_plan
+from ._execute import _whole_copy, device_peak_extra, execute_plan, traced_leaf
 from ._geometry import box_from_index
 from ._mesh_surgery import device_id
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
@@ -247,6 +247,8 @@ def _is_key(dtype: Any) -> bool:
 def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
     where = path or "<root>"
     if isinstance(v, jax.Array):
+        if isinstance(v, jax.core.Tracer):
+            raise traced_leaf(where, v)
         if v.is_deleted():
             raise ValueError(
                 f"leaf {where} is a deleted jax.Array (was it donated or deleted earlier?); "

@@ -8,9 +8,10 @@ that both paths give the same result.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +42,7 @@ _batched_copy: Any = _private(
 )
 _ALWAYS_COPY: Any = _private("jax._src.lib", "xla_client.ArrayCopySemantics.ALWAYS_COPY")
 _backends_are_initialized: Any = _private("jax._src.xla_bridge", "backends_are_initialized")
+_explicit_put_scope: Any = _private("jax._src.config", "explicit_device_put_scope")
 
 # Tests flip this to exercise the public fallbacks.
 USE_PRIVATE = True
@@ -53,6 +55,32 @@ def backends_initialized() -> bool | None:
     if not USE_PRIVATE or _backends_are_initialized is None:
         return None
     return bool(_backends_are_initialized())
+
+
+@contextlib.contextmanager
+def moving_bytes() -> Iterator[None]:
+    """The JAX state an executor runs under: that of ``jax.device_put``, whatever the
+    caller's context says about computations.
+
+    - The executors' small programs (cut, assemble, copy) run on the devices of their
+      own arguments: a mesh set with ``jax.set_mesh`` would make ``jax.jit`` refuse
+      every argument on fewer devices, so it is cleared meanwhile.
+    - They reinterpret bits (``bitcast_convert_type``): with ``jax.debug_nans`` or
+      ``jax.debug_infs`` on, a NaN or Inf in the data would raise, though a move
+      never computes with values; both are off meanwhile.
+    - Host buffers put on devices count as explicit transfers, as ``jax.device_put``'s
+      do, for ``jax.transfer_guard``.
+    """
+    with contextlib.ExitStack() as stack:
+        if USE_PRIVATE and _explicit_put_scope is not None:
+            stack.enter_context(_explicit_put_scope())
+        if getattr(jax.config, "jax_debug_nans", False):
+            stack.enter_context(jax.debug_nans(False))
+        if getattr(jax.config, "jax_debug_infs", False):
+            stack.enter_context(jax.debug_infs(False))
+        if not jax.sharding.get_abstract_mesh().empty:
+            stack.enter_context(jax.set_mesh(None))
+        yield
 
 
 def ordered_devices(sharding: Sharding) -> tuple[Any, ...]:

@@ -41,10 +41,22 @@ def _jobs(plan: Plan) -> list[LeafJob]:
     return jobs
 
 
+def traced_leaf(where: str, v: Any) -> Exception:
+    """The error for a tracer among the leaves: ``reshard`` runs eagerly, on data."""
+    return jax.errors.ConcretizationTypeError(
+        v,
+        f"leaf {where} is a tracer: reshard.reshard, reshard.plan and Plan.execute move "
+        "concrete arrays and cannot be traced (jax.jit, vmap, grad, shard_map...). Call "
+        "them outside the traced function; inside it, jax.device_put or "
+        "jax.lax.with_sharding_constraint place values.",
+    )
+
+
 # What arrays of one geometry share of their ``LeafJob``: all but the leaf plan.
 _JOB_SHARED = tuple(f.name for f in dataclasses.fields(LeafJob))[1:]
 
 
+@_compat.moving_bytes()
 def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) -> Any:
     values, treedef = jax.tree_util.tree_flatten(x)
     if treedef != plan.treedef:
@@ -59,6 +71,8 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         where = leaf.path or "<root>"
         if not isinstance(v, jax.Array):
             raise ValueError(f"leaf {where}: the plan expects a jax.Array, got {type(v).__name__}")
+        if isinstance(v, jax.core.Tracer):
+            raise traced_leaf(where, v)
         if v.is_deleted():
             raise ValueError(f"leaf {where} is a deleted jax.Array (was it donated earlier?)")
         if tuple(v.shape) != leaf.shape or v.dtype != leaf.dtype or v.sharding != leaf.src_sharding:

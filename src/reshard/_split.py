@@ -312,6 +312,7 @@ def _shards_by_device(leaf: Leaf) -> dict[jax.Device, jax.Array]:
 # --------------------------------------------------------------------------- split
 
 
+@_compat.moving_bytes()
 def split_by_mesh_axis(
     arrays: Any,
     mesh_axis: str,
@@ -475,6 +476,7 @@ def _joined_shape(
     return tuple(shape)
 
 
+@_compat.moving_bytes()
 def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
     """Joins pytrees living on adjacent sub-meshes into one pytree on their union.
 

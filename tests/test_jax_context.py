@@ -1,0 +1,130 @@
+"""``reshard`` inside real programs: the caller's JAX context must not change a move.
+
+A context mesh (``jax.set_mesh``), NaN/Inf checking (``jax.debug_nans``/``debug_infs``)
+and transfer guards are about computations; a reshard moves bytes, as
+``jax.device_put`` does, and must give the same bits under any of them. A reshard
+called on tracers (inside ``jax.jit``) must say that it runs eagerly, naming the leaf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import reshard
+from reshard import _collective_executor
+from tests.helpers import as_bits, check_result, place
+
+DEVICES = jax.devices()
+WORLD = Mesh(np.array(DEVICES).reshape(2, 4), ("data", "model"))
+HALF = Mesh(np.array(DEVICES[4:]).reshape(2, 2), ("data", "model"))
+
+
+def _special_values(dtype: Any) -> np.ndarray:
+    """NaN, infinities, -0 and ordinary numbers: the values a NaN check trips on."""
+    v = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    v[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
+    v[9, 5] = np.nan
+    return v.astype(dtype)
+
+
+@contextlib.contextmanager
+def _nan_and_inf_checks() -> Iterator[None]:
+    with jax.debug_nans(True), jax.debug_infs(True):
+        yield
+
+
+CONTEXTS: dict[str, Callable[[], Any]] = {
+    "set_mesh": lambda: jax.set_mesh(WORLD),
+    "set_mesh_elsewhere": lambda: jax.set_mesh(Mesh(np.array(DEVICES[:2]), ("x",))),
+    "debug_nans_infs": _nan_and_inf_checks,
+    "transfer_guard_disallow": lambda: jax.transfer_guard("disallow"),
+}
+
+# (executor, pack collective pieces on the host)
+EXECUTORS = [("host", True), ("device", True), ("collective", True), ("collective", False)]
+
+
+@pytest.mark.parametrize("context", sorted(CONTEXTS))
+@pytest.mark.parametrize(("executor", "pack_on_host"), EXECUTORS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_move_is_the_same_in_any_context(
+    context: str, executor: str, pack_on_host: bool, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    truth = _special_values(jnp.dtype(dtype))
+    moves = [
+        (NamedSharding(WORLD, P("data", "model")), NamedSharding(WORLD, P("model", "data"))),
+        (NamedSharding(WORLD, P("data")), NamedSharding(HALF, P(None, "model"))),
+        # Host memory kinds go through programs that stage the shards in device memory.
+        (
+            NamedSharding(WORLD, P("model"), memory_kind="pinned_host"),
+            NamedSharding(WORLD, P("data", "model")),
+        ),
+    ]
+    for src, dst in moves:
+        x = place(truth, src)
+        with CONTEXTS[context]():
+            expected = jax.device_put(x, dst)
+            y = reshard.reshard(x, dst, executor=executor)
+            z = reshard.reshard(x, dst, executor=executor, cache_resharding_plans=True)
+        check_result(y, truth, dst)
+        check_result(z, truth, dst)
+        assert y.aval == expected.aval
+        np.testing.assert_array_equal(as_bits(x), as_bits(truth))  # the input is intact
+        with CONTEXTS[context]():
+            d = reshard.reshard(x, dst, executor=executor, donate=True)
+        check_result(d, truth, dst)
+
+
+@pytest.mark.parametrize("context", ["set_mesh", "debug_nans_infs"])
+def test_split_and_concatenate_in_any_context(context: str) -> None:
+    truth = _special_values(np.float32)
+    x = place(truth, NamedSharding(WORLD, P("data", "model")))
+    with CONTEXTS[context]():
+        parts = reshard.split_by_mesh_axis([x], "data")
+        (back,) = reshard.concatenate_by_mesh_axis(parts, "data")
+    check_result(back, truth, NamedSharding(WORLD, P("data", "model")))
+
+
+def test_reshard_moves_are_explicit_transfers(capfd: pytest.CaptureFixture[str]) -> None:
+    """Under ``transfer_guard("log")``, ``jax.device_put`` logs nothing; nor does reshard
+    (its host buffers put on devices are explicit transfers, as device_put's are)."""
+    truth = _special_values(np.float32)
+    x = place(truth, NamedSharding(WORLD, P("data")))
+    dst = NamedSharding(HALF, P(None, "model"))
+    capfd.readouterr()
+    for executor in ("host", "device", "collective"):
+        with jax.transfer_guard("log"):
+            y = reshard.reshard(x, dst, executor=executor)
+        check_result(y, truth, dst)
+    err = capfd.readouterr().err
+    assert "transfer" not in err, err
+
+
+@pytest.mark.parametrize("who", ["reshard", "plan"])
+def test_tracers_are_refused_with_the_leaf_and_what_to_do(who: str) -> None:
+    src = NamedSharding(WORLD, P("data"))
+    dst = NamedSharding(HALF, P(None, "model"))
+    params = {"w": place(np.ones((8, 16), np.float32), src), "step": 3}
+    shardings = {"w": dst, "step": NamedSharding(HALF, P())}
+    call = {"reshard": reshard.reshard, "plan": reshard.plan}[who]
+    with pytest.raises(
+        jax.errors.ConcretizationTypeError,
+        match=r"leaf \['step'\] is a tracer: .*Call them outside the traced function",
+    ):
+        jax.jit(lambda step: call({"w": params["w"], "step": step}, shardings))(3)
+    with pytest.raises(jax.errors.ConcretizationTypeError, match=r"leaf \['w'\] is a tracer"):
+        jax.vmap(lambda w: call({"w": w}, NamedSharding(HALF, P())), in_axes=1)(params["w"])
+    plan = reshard.plan(params, shardings)
+    with pytest.raises(jax.errors.ConcretizationTypeError, match=r"leaf \['w'\] is a tracer"):
+        jax.jit(plan.execute)(params)
+    assert not params["w"].is_deleted()
