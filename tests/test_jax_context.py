@@ -127,4 +127,9 @@ def test_tracers_are_refused_with_the_leaf_and_what_to_do(who: str) -> None:
     plan = reshard.plan(params, shardings)
     with pytest.raises(jax.errors.ConcretizationTypeError, match=r"leaf \['w'\] is a tracer"):
         jax.jit(plan.execute)(params)
+    with (
+        jax.set_mesh(WORLD),
+        pytest.raises(jax.errors.ConcretizationTypeError, match=r"leaf \['w'\] is a tracer"),
+    ):
+        jax.jit(plan.execute)(params)
     assert not params["w"].is_deleted()
