@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import as_bits, check_result, place
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
 from reshard import _collective_executor
-from tests.helpers import as_bits, check_result, place
 
 DEVICES = jax.devices()
 WORLD = Mesh(np.array(DEVICES).reshape(2, 4), ("data", "model"))

@@ -8,9 +8,12 @@ and a JSON-ready dictionary form.
 
 from __future__ import annotations
 
+import io
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import Sharding
 
@@ -159,6 +162,25 @@ class Plan:
         out["leaves"] = leaves
         return out
 
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        """Pickling: everything but the compiled programs, devices by id.
+
+        A plan loads in any process whose JAX has devices of the same platforms and
+        ids (the same topology), which it then uses; its programs compile again on
+        first use there.
+        """
+        fields = (
+            self.treedef,
+            self.leaves,
+            self.leaf_plans,
+            self.stats,
+            self.executor,
+            self.avoid_devices,
+        )
+        out = io.BytesIO()
+        _DevicesById(out, protocol=pickle.HIGHEST_PROTOCOL).dump(fields)
+        return _load_plan, (out.getvalue(),)
+
     def __str__(self) -> str:
         s = self.stats
         n_planned = len(self.leaf_plans)
@@ -182,3 +204,42 @@ class Plan:
         if self.avoid_devices:
             lines.append(f"  avoiding:    devices {sorted(self.avoid_devices)}")
         return "\n".join(lines)
+
+
+class _DevicesById(pickle.Pickler):
+    """Pickles JAX devices (inside shardings and meshes) as their platform and id."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, jax.Device):
+            return ("jax.Device", obj.platform, obj.id)
+        return None
+
+
+class _DevicesFromJax(pickle.Unpickler):
+    """Gives back the devices ``_DevicesById`` wrote, from this process's JAX."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._devices: dict[str, dict[int, Any]] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, platform, device_id = pid
+        devices = self._devices.get(platform)
+        if devices is None:
+            try:
+                devices = {d.id: d for d in jax.devices(platform)}
+            except RuntimeError:  # no such platform here
+                devices = {}
+            self._devices[platform] = devices
+        if device_id not in devices:
+            raise ValueError(
+                f"this plan uses {platform} device {device_id}, which this JAX does not "
+                f"have ({jax.device_count()} device(s): "
+                f"{sorted({d.platform for d in jax.devices()})}); a pickled plan loads "
+                "only where the same devices exist: plan again here with reshard.plan"
+            )
+        return devices[device_id]
+
+
+def _load_plan(data: bytes) -> Plan:
+    return Plan(*_DevicesFromJax(data).load())
