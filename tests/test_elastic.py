@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
-from reshard import _elastic, _mesh_surgery
+from reshard import _collective_executor, _elastic, _mesh_surgery
 from reshard._mesh_surgery import grow_grid, shrink_grid
 
 DEVICES = jax.devices()
@@ -440,6 +440,31 @@ def test_same_layout_on_spare_devices_reads_only_survivors(executor):
         y = reshard.reshard(x, dst, executor=executor, avoid_devices=[0])
     np.testing.assert_array_equal(np.asarray(y), value)
     assert y.sharding == dst
+
+
+@pytest.mark.parametrize("executor", ["host", "device", "collective-host", "collective-device"])
+def test_a_lost_device_runs_no_program_and_no_buffer_of_it_is_read(executor, monkeypatch):
+    """Its shard's buffer is gone (deleted, as memory on a dead device): every executor
+    still recovers, and the collective one leaves the device out of its union mesh."""
+    if executor.startswith("collective"):
+        monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", executor.endswith("host"))
+    mesh = mesh_of((2, 2), ("data", "fsdp"))
+    src = NamedSharding(mesh, P("fsdp"))  # replicated over "data": devices 1 and 3
+    value = np.arange(64, dtype=np.float32).reshape(16, 4)
+    x = make_leaf(value, src, set())
+    for shard in x.addressable_shards:
+        if shard.device.id == 3:
+            shard.data.delete()
+    dst = NamedSharding(reshard.shrink_mesh(mesh, [3], "data"), P("fsdp"))
+    p = reshard.plan(x, dst, executor=executor.split("-")[0], avoid_devices=[3])
+    y = p.execute(x)
+    np.testing.assert_array_equal(np.asarray(y), value)
+    assert y.sharding == dst
+    programs = [
+        v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
+    ]
+    assert all(3 not in {d.id for d in prog.devices} for prog in programs)
+    assert bool(programs) == executor.startswith("collective")
 
 
 def test_recover_data_loss_message_and_key_arrays():

@@ -124,6 +124,10 @@ class CollectiveProgram:
         host-packed when every device is a CPU.
       group_bytes: device-packed: the most placeholder bytes per device one program
         takes (``_collective_device.GROUP_BYTES`` if None).
+      avoid: ids of devices the plan must not read (``Plan.avoid_devices``): they are
+        left out of the union mesh, so no program runs on a lost device and none of
+        its buffers is fed to one (no destination is ever on them).
+      platform: the platform of the arrays' devices (``None``: JAX's default).
     """
 
     def __init__(
@@ -134,12 +138,14 @@ class CollectiveProgram:
         alias: Sequence[bool],
         pack_on_host: bool | None = None,
         group_bytes: int | None = None,
+        avoid: frozenset[int] = frozenset(),
+        platform: str | None = None,
     ) -> None:
-        ids = sorted(
-            {s.device for lp in leaf_plans for s in lp.spec.src}
-            | {s.device for lp in leaf_plans for s in lp.spec.dst}
-        )
-        by_id = {d.id: d for d in jax.devices()}
+        dst_ids = {s.device for lp in leaf_plans for s in lp.spec.dst}
+        assert not dst_ids & avoid, "the API refuses destinations on devices to avoid"
+        ids = sorted({s.device for lp in leaf_plans for s in lp.spec.src} - avoid | dst_ids)
+        # Ids are per platform: look them up among the devices of the arrays' own.
+        by_id = {d.id: d for d in jax.devices(platform)}
         unknown = [i for i in ids if i not in by_id]
         if unknown:
             raise ValueError(
@@ -210,7 +216,7 @@ class CollectiveProgram:
             # block where a device of the union holds no source shard) stay bounded.
             placeholder_bytes = [
                 math.prod(lf.src_block) * dt.itemsize
-                if len({s.device for s in lp.spec.src}) < n
+                if len({s.device for s in lp.spec.src} & self.position.keys()) < n
                 else 0
                 for lf, dt, lp in zip(self.leaves, self.in_dtypes, self.leaf_plans, strict=True)
             ]
@@ -414,6 +420,12 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
         )
 
 
+def _platform(shardings: Sequence[jax.sharding.Sharding]) -> str | None:
+    """The platform of the destination devices (``None`` for no arrays)."""
+    devices: Any = shardings[0].device_set if shardings else ()
+    return next((d.platform for d in devices), None)
+
+
 def run_collective(
     plan: Any,
     sources: Sequence[jax.Array],
@@ -453,6 +465,8 @@ def run_collective(
                 alias=alias,
                 pack_on_host=PACK_ON_HOST,
                 group_bytes=group_bytes,
+                avoid=plan.avoid_devices,
+                platform=_platform(shardings),
             )
             agree(program, shardings)  # before caching: a mismatch raises again next call
             plan._cache[key] = program

@@ -525,7 +525,9 @@ def run_device(
             si = job.reused.get(di)
             if si is not None:
                 b = bufs[li][spec.src[si].device]
-                parts.append(b if alias[li] else jnp.copy(b))
+                # A copy by the runtime, not by a program: the shard may be in a host
+                # memory kind, where accelerators need not run programs.
+                parts.append(b if alias[li] else jax.device_put(b, b.sharding, may_alias=False))
             else:
                 parts.append(built[(li, di)])
             devs.append(d)
