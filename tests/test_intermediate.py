@@ -392,3 +392,29 @@ def test_rules_hold_on_random_shardings(pair):
             assert inter.mesh.shape[entry + INTERMEDIATE_REPLICA_SUFFIX] == src[i] // dst[i]
         else:
             assert inter.spec[i] == entry and got[i] == src[i]
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_sidechannel_names_are_the_same_calls(cache: bool) -> None:
+    """Newer Pathways releases add side-channel variants; code calling them runs here."""
+    from reshard import _api
+
+    devices = np.array(jax.devices()[:8])
+    src = NamedSharding(Mesh(devices, ("fsdp",)), P("fsdp", None))
+    dst = NamedSharding(Mesh(devices[:4], ("tp",)), P(None, "tp"))
+    value = np.arange(64.0, dtype=np.float32).reshape(8, 8)
+    reshard.clear_plan_cache()
+    x = jax.device_put(value, src)
+    y = reshard.sidechannel_reshard(
+        {"w": x}, {"w": dst}, donate=False, may_alias=None, cache_resharding_plans=cache
+    )
+    z = reshard.sidechannel_reshard_with_intermediate_sharding(
+        x, src, dst, donate=True, may_alias=None, cache_resharding_plans=cache
+    )
+    for out in (y["w"], z):
+        np.testing.assert_array_equal(np.asarray(out), value)
+        assert out.sharding == dst
+    assert x.is_deleted()  # donated by the second call only
+    # Cached only when asked: the tree's plan, and for the move through the intermediate
+    # sharding its check of the final destination and its two moves.
+    assert _api.plan_cache_size() == (4 if cache else 0)

@@ -46,3 +46,8 @@ from ._elastic import recover as recover
 from ._mesh_surgery import carry_shardings as carry_shardings
 from ._mesh_surgery import grow_mesh as grow_mesh
 from ._mesh_surgery import shrink_mesh as shrink_mesh
+
+# Newer Pathways releases add variants over their side-channel transport; here every
+# move uses JAX's own transports, so they are the same calls.
+sidechannel_reshard = reshard
+sidechannel_reshard_with_intermediate_sharding = reshard_with_intermediate_sharding

@@ -197,6 +197,7 @@ def reshard_with_intermediate_sharding(
     *,
     donate: bool = False,
     may_alias: bool | None = None,
+    cache_resharding_plans: bool = False,
 ) -> Any:
     """Reshards ``x`` to ``out_sharding``, through an intermediate sharding if one exists.
 
@@ -214,6 +215,7 @@ def reshard_with_intermediate_sharding(
       donate: whether ``x`` may be consumed. A destination that cannot hold ``x`` is
         refused before anything moves, so a failure loses nothing.
       may_alias: passed to ``reshard.reshard``.
+      cache_resharding_plans: passed to ``reshard.reshard`` (each of its reshards).
 
     Returns:
       ``x`` resharded to ``out_sharding``.
@@ -232,19 +234,22 @@ def reshard_with_intermediate_sharding(
     """
     from ._api import plan, reshard  # late: the core API imports this module's package
 
+    cache = cache_resharding_plans
     try:
         intermediate, replica_axes = find_intermediate_sharding(in_sharding, out_sharding)
     except NoIntermediateShardingError:
-        return reshard(x, out_sharding, donate=donate, may_alias=may_alias)
+        return reshard(
+            x, out_sharding, donate=donate, may_alias=may_alias, cache_resharding_plans=cache
+        )
     if donate:
         # The first reshard frees x, so a destination the last one would refuse (a
         # shape it cannot divide, say) must be refused before: a failure loses nothing.
         # Every leaf keeps its shape on the way, so planning x -> out_sharding checks it.
-        plan(x, out_sharding)
-    y = reshard(x, intermediate, donate=donate, may_alias=may_alias)
+        plan(x, out_sharding, cache=cache)
+    y = reshard(x, intermediate, donate=donate, may_alias=may_alias, cache_resharding_plans=cache)
     for axis in replica_axes:
         # Keep the first replica; dropping the list releases the others' buffers.
         y = split_by_mesh_axis(y, axis)[0]
     # Not donated: reshard frees sources only after the whole result is written, so
     # donating would not lower the peak, and y's buffers go when this frame returns.
-    return reshard(y, out_sharding, may_alias=may_alias)
+    return reshard(y, out_sharding, may_alias=may_alias, cache_resharding_plans=cache)
