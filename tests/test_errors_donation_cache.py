@@ -214,7 +214,10 @@ def test_donating_an_array_that_partly_stays_consumes_it(
     with pytest.raises(RuntimeError, match="deleted"):
         jax.jit(lambda v: v)(x)
     kept = {d: p for d, p in pointers(_key_data(y)).items() if d.id in STAYS}
-    assert kept == {d: p for d, p in before.items() if d.id in STAYS}  # handed over
+    if kind == "pinned_host":  # copied: no donating program runs on host memory
+        assert not set(kept.values()) & set(before.values())
+    else:
+        assert kept == {d: p for d, p in before.items() if d.id in STAYS}  # handed over
     expect = jax.device_put(_input(kind, src)[0], dst)
     assert y.sharding == dst and y.committed and y.aval == expect.aval
     if kind != "key":
@@ -264,21 +267,26 @@ def test_outputs_share_buffers_with_the_input_only_where_asked(monkeypatch, exec
         assert y.sharding == dst
         return pointers(y)
 
-    # By default a partly changed array is a copy that shares nothing (as Pathways
-    # returns), an unchanged one the input's buffers (as jax.device_put returns).
+    # By default an array is a copy that shares nothing (as Pathways returns), also
+    # an unchanged one (jax.device_put would return the input itself).
     assert not set(run(traded).values()) & mine
-    assert run(src) == pointers(x)
+    assert not set(run(src).values()) & mine
+    assert run(src, may_alias=True) == pointers(x)
     assert not set(run(src, may_alias=False).values()) & mine
     shared = run(traded, may_alias=True)  # asked for: the kept shards are handed over
     assert {d.id for d, p in shared.items() if p in mine} == set(STAYS)
     assert not x.is_deleted()
     # The RL weight sync: a sampler copy made on devices that overlap the trainer's,
-    # then the trainer's step donates its parameters. The copy must live on.
-    params = place(truth, src)
-    sampler = reshard.reshard(params, traded, executor=executor)
-    params = jax.jit(lambda p: p * 2, donate_argnums=0)(params)
-    np.testing.assert_array_equal(np.asarray(sampler), truth)
-    np.testing.assert_array_equal(np.asarray(params), truth * 2)
+    # then the trainer's step donates its parameters. The copy must live on, also
+    # for a leaf whose layout the sync keeps (a replicated norm, say).
+    params = {"w": place(truth, src), "norm": place(truth, src)}
+    sampler = reshard.reshard(
+        params, {"w": traded, "norm": src}, executor=executor, cache_resharding_plans=True
+    )
+    params = jax.jit(lambda p: jax.tree.map(lambda v: v * 2, p), donate_argnums=0)(params)
+    for k in ("w", "norm"):
+        np.testing.assert_array_equal(np.asarray(sampler[k]), truth)
+        np.testing.assert_array_equal(np.asarray(params[k]), truth * 2)
 
 
 def test_donating_while_a_numpy_view_of_a_kept_shard_lives():
@@ -302,7 +310,7 @@ def test_donating_two_arrays_that_share_buffers(executor):
     same, other = sharding(range(4)), sharding(range(4, 8), P())
     for keep in (True, False):
         x = place(truth, same)
-        y = reshard.reshard(x, sharding(range(4), P("a", None)), executor=executor)
+        y = reshard.reshard(x, sharding(range(4), P("a", None)), executor=executor, may_alias=True)
         assert pointers(y) == pointers(x)  # handed over, not copied
         dst = {"x": same if keep else other, "y": other}
         out = reshard.reshard({"x": x, "y": y}, dst, donate=True, executor=executor)
@@ -697,3 +705,37 @@ def test_tree_with_array_metadata_is_planned_without_the_cache(tree):
         np.testing.assert_array_equal(np.asarray(out.w), np.arange(32.0).reshape(8, 4))
         np.testing.assert_array_equal(out.perm, [1, 0])
         assert out.w.sharding == dst
+
+
+@pytest.mark.parametrize("executor", ["host", "device", "collective"])
+def test_donating_host_memory_from_jit_outputs(executor):
+    """jax 0.10 gives a jit output on a pinned_host SingleDeviceSharding a *device*
+    memory space; a program that donates it aborts the process. Donating such an
+    array (large enough to be handed over, were it in device memory) must work as
+    jax.device_put(..., donate=True) does."""
+    truth = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
+    pinned = SingleDeviceSharding(DEVS[0], memory_kind="pinned_host")
+    for dst in (pinned, sharding([0, 1], P(), memory_kind="pinned_host")):
+        x = jax.jit(lambda v: v, out_shardings=pinned)(truth)
+        y = reshard.reshard(x, dst, donate=True, executor=executor)
+        assert x.is_deleted()
+        check_result(y, truth, dst)
+
+
+def test_which_arrays_a_donating_program_may_take():
+    from reshard import _compat
+
+    truth = np.arange(8.0, dtype=np.float32)
+    kinds = {}
+    for kind in ("device", "pinned_host", "unpinned_host"):
+        s = SingleDeviceSharding(DEVS[0], memory_kind=kind)
+        kinds[kind, "put"] = jax.device_put(truth, s)
+        kinds[kind, "jit"] = jax.jit(lambda v: v, out_shardings=s)(truth)
+    assert {k: _compat.may_donate(a) for k, a in kinds.items()} == {
+        ("device", "put"): True,
+        ("device", "jit"): True,
+        ("pinned_host", "put"): True,
+        ("pinned_host", "jit"): str(jax.typeof(kinds["pinned_host", "jit"])).find("<host>") >= 0,
+        ("unpinned_host", "put"): False,
+        ("unpinned_host", "jit"): False,
+    }

@@ -69,13 +69,14 @@ def reshard(
         of ``x`` (one sharding then covers a whole subtree); a ``jax.Device`` stands
         for its ``SingleDeviceSharding``, as in ``jax.device_put``.
       donate: consume the sources once the whole pytree has been moved (they then
-        read as deleted); an array keeping 1 MiB or more on its devices hands those
+        read as deleted); an array keeping 1 MiB or more in device memory hands those
         shards over without a copy. A failure frees nothing.
-      may_alias: ``None`` hands shards that stay on their device to the output only
-        where the whole array is unchanged (as ``jax.device_put``); an array that
-        changes in part comes back as a copy sharing no buffer with ``x``. ``True``
-        hands such shards over always (donating ``x`` later frees them under the
-        output); ``False`` copies them always. See ``Plan.execute``.
+      may_alias: ``None`` copies shards that stay on their device (handing them over
+        only when donating), so the result shares no buffer with ``x``, even where
+        nothing changes (``jax.device_put`` would return ``x`` itself there), as
+        Pathways returns a copy. ``True`` hands such shards over always (donating
+        ``x`` later frees them under the output); ``False`` copies them always, when
+        donating too. See ``Plan.execute``.
       cache_resharding_plans: keep the plan in a bounded LRU cache keyed by avals,
         shardings and options, so repeated calls do not plan again. Compiled
         programs are shared by equal plans either way (the last 1024, each freed when

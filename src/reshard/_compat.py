@@ -227,6 +227,21 @@ def finish(x: jax.Array, aval: Any, fresh: bool) -> jax.Array:
         return x
 
 
+def may_donate(a: jax.Array) -> bool:
+    """Whether a program may take ``a`` and donate it (``donating_identity``).
+
+    Yes in device memory. Never in ``unpinned_host``, where XLA runs nothing. In
+    ``pinned_host`` only where the abstract value says host memory too: jax 0.10 gives
+    the outputs of ``jax.jit`` on a ``SingleDeviceSharding`` in ``pinned_host`` a
+    device memory space, and a program donating such an array aborts the process.
+    """
+    kind = a.sharding.memory_kind
+    if kind in (None, "device"):
+        return True
+    space = getattr(getattr(a, "aval", None), "memory_space", None)
+    return kind == "pinned_host" and getattr(space, "name", None) == "Host"
+
+
 def donating_identity(arrays: list[jax.Array]) -> list[jax.Array]:
     """``arrays`` on new handles over the same buffers: a jitted identity that donates
     its arguments, so XLA aliases every output to its input buffer. The arguments must

@@ -226,14 +226,14 @@ def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
       buffers, as ``jax.device_put`` does. Re-homing costs ~0.1-0.2 ms per array on
       CPU, more than copying a small array's kept shards, so smaller ones are copied
       and their input freed whole. So are arrays a donating identity cannot or must
-      not take over: those in ``unpinned_host`` (where XLA runs nothing), or with a
-      shard on a device to avoid (a lost device must not run a program).
+      not take over: those in a host memory kind (see ``_identity_may_run``), or with
+      a shard on a device to avoid (a lost device must not run a program).
     - ``may_alias=True``: handed over; the input stays valid and shares them.
-    - ``None`` (the default): handed over only where every destination shard is
-      unchanged, where ``jax.device_put`` too returns the input's buffers. An array
-      that changes in part comes back as a copy that shares nothing with its input,
-      as from Pathways: a trainer step that donates its parameters must not free a
-      sampler's copy of them.
+    - ``None`` (the default): copied, so that every output shares no buffer with its
+      input, as from Pathways (its ``reshard`` returns "a copy of x"), even an array
+      that does not change at all (where ``jax.device_put`` returns the input itself):
+      a trainer step that donates its parameters must not free a sampler's copy of
+      them, including the leaves whose layout the sync keeps.
     """
     out = []
     for leaf, lp in zip(plan.planned_leaves, plan.leaf_plans, strict=True):
@@ -247,7 +247,7 @@ def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
                 and (src is None or _identity_may_run(src, plan.avoid_devices))
             )
         else:
-            out.append(may_alias is True or len(lp.reused) == len(lp.spec.dst))
+            out.append(may_alias is True)
     return out
 
 
@@ -422,11 +422,17 @@ def _donate(
 
 
 def _identity_may_run(s: Sharding, avoid: frozenset[int]) -> bool:
-    """Whether a donating identity may run on arrays of sharding ``s``: not in
-    ``unpinned_host``, where XLA runs nothing (jax 0.10 on CPU aborts), nor on a device
-    to avoid (a lost device cannot run a program)."""
+    """Whether a donating identity may run on arrays of sharding ``s``: in device
+    memory only, on no device to avoid (a lost device cannot run a program).
+
+    Not in ``unpinned_host``, where XLA runs nothing (jax 0.10 on CPU aborts); nor in
+    ``pinned_host``: there jax 0.10 gives the outputs of ``jax.jit`` on a
+    ``SingleDeviceSharding`` a device memory space, and a program donating one aborts
+    the process (so does a plain donating ``jax.jit``), and accelerators need not run
+    programs on host memory at all. Kept host-memory shards are copied instead.
+    """
     devices: Any = s.device_set
-    return s.memory_kind != "unpinned_host" and not any(d.id in avoid for d in devices)
+    return s.memory_kind in (None, "device") and not any(d.id in avoid for d in devices)
 
 
 def _data(v: jax.Array) -> jax.Array:

@@ -80,13 +80,15 @@ class Plan:
           donate: consume the source arrays after the whole pytree has been moved
             (never before: a failure leaves every input intact); they then read as
             deleted. An array that keeps ``_execute.HANDOVER_BYTES`` (1 MiB) or more
-            on its devices hands those shards to the output without a copy.
-          may_alias: for shards that stay on their device, without ``donate``:
-            ``None`` hands them over only where the whole array is unchanged (as
-            ``jax.device_put`` does), else copies them, so the output shares no
-            buffer with the input; ``True`` hands them over always (the output then
-            shares buffers with the input: donating the input later, to a training
-            step say, frees them under the output); ``False`` copies them always.
+            in device memory on its devices hands those shards to the output without
+            a copy.
+          may_alias: for shards that stay on their device: ``None`` copies them
+            unless donating, so the output shares no buffer with the input, even an
+            array that does not change (``jax.device_put`` would return the input
+            itself), as Pathways returns a copy; ``True`` hands them over always (the
+            output then shares buffers with the input: donating the input later, to
+            a training step say, frees them under the output); ``False`` copies them
+            always, when donating too.
 
         Returns:
           A pytree like ``x`` with every leaf committed to its destination sharding.

@@ -214,8 +214,10 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     returned as is, so nothing is held twice. Where it declines for some buffers only
     (a numpy view of one shard), it donates the others and the input, not marked
     deleted, has lost them: the fresh array (donated buffers and copies) replaces it,
-    and the input is deleted. Arrays in unpinned host memory are returned as they are:
-    XLA runs nothing on them (on CPU, jax 0.10, the donating call aborts the process).
+    and the input is deleted. Arrays a donating program must not take
+    (``_compat.may_donate``: unpinned host memory, or pinned host memory that JAX
+    itself describes as device memory) are returned as they are: on CPU, jax 0.10, the
+    donating call aborts the process.
     So are different arrays that share a buffer here (parts of one array at two
     leaves, an array and what was handed its buffers): donating both would donate
     that buffer twice (XLA refuses, or crashes), and donating one would leave the
@@ -225,11 +227,7 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     of such inputs' devices consumes them while the others keep them valid.
     """
     distinct = {id(a): a for a in arrays}
-    keys = {
-        i: _compat.buffer_keys(a)
-        for i, a in distinct.items()
-        if a.sharding.memory_kind != "unpinned_host"
-    }
+    keys = {i: _compat.buffer_keys(a) for i, a in distinct.items() if _compat.may_donate(a)}
     holders = collections.Counter(k for ks in keys.values() for k in ks)
     shared = {i for i, ks in keys.items() if any(holders[k] > 1 for k in ks)}
     unique = [a for i, a in distinct.items() if i in keys and i not in shared]
