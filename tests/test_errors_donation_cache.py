@@ -739,3 +739,21 @@ def test_which_arrays_a_donating_program_may_take():
         ("unpinned_host", "put"): False,
         ("unpinned_host", "jit"): False,
     }
+
+
+def test_arrays_placed_by_jax_device_put_are_copies_too():
+    """Key arrays on shardings that are neither named nor single-device go through
+    jax.device_put; by default they too come back as copies, not as the input."""
+    from jax._src.sharding_impls import GSPMDSharding
+
+    s = GSPMDSharding.get_replicated(DEVS[:2])
+    k = jax.device_put(jax.random.split(jax.random.key(0), 4), s)
+    assert [leaf.kind for leaf in reshard.plan(k, s).leaves] == ["host"]
+    y = reshard.reshard(k, s)
+    assert y is not k
+    assert not set(pointers(jax.random.key_data(y)).values()) & set(
+        pointers(jax.random.key_data(k)).values()
+    )
+    np.testing.assert_array_equal(jax.random.key_data(y), jax.random.key_data(k))
+    z = reshard.reshard(k, s, may_alias=True)
+    assert pointers(jax.random.key_data(z)) == pointers(jax.random.key_data(k))

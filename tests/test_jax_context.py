@@ -47,6 +47,7 @@ CONTEXTS: dict[str, Callable[[], Any]] = {
     "set_mesh_elsewhere": lambda: jax.set_mesh(Mesh(np.array(DEVICES[:2]), ("x",))),
     "debug_nans_infs": _nan_and_inf_checks,
     "transfer_guard_disallow": lambda: jax.transfer_guard("disallow"),
+    "disable_jit": jax.disable_jit,
 }
 
 # (executor, pack collective pieces on the host)
@@ -85,13 +86,15 @@ def test_a_move_is_the_same_in_any_context(
         check_result(d, truth, dst)
 
 
-@pytest.mark.parametrize("context", ["set_mesh", "debug_nans_infs"])
+@pytest.mark.parametrize("context", ["set_mesh", "debug_nans_infs", "disable_jit"])
 def test_split_and_concatenate_in_any_context(context: str) -> None:
     truth = _special_values(np.float32)
     x = place(truth, NamedSharding(WORLD, P("data", "model")))
     with CONTEXTS[context]():
-        parts = reshard.split_by_mesh_axis([x], "data")
+        parts = reshard.split_by_mesh_axis([x], "data", donate=True)
+        assert x.is_deleted()  # consumed, as documented, in any context
         (back,) = reshard.concatenate_by_mesh_axis(parts, "data")
+    assert all(p[0].is_deleted() for p in parts)
     check_result(back, truth, NamedSharding(WORLD, P("data", "model")))
 
 

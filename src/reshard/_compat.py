@@ -68,6 +68,8 @@ def moving_bytes() -> Iterator[None]:
     - They reinterpret bits (``bitcast_convert_type``): with ``jax.debug_nans`` or
       ``jax.debug_infs`` on, a NaN or Inf in the data would raise, though a move
       never computes with values; both are off meanwhile.
+    - Under ``jax.disable_jit`` they would run op by op, and a donating identity
+      would donate nothing: jit stays on meanwhile.
     - Host buffers put on devices count as explicit transfers, as ``jax.device_put``'s
       do, for ``jax.transfer_guard``.
     """
@@ -78,6 +80,9 @@ def moving_bytes() -> Iterator[None]:
             stack.enter_context(jax.debug_nans(False))
         if getattr(jax.config, "jax_debug_infs", False):
             stack.enter_context(jax.debug_infs(False))
+        if getattr(jax.config, "jax_disable_jit", False):
+            # Op by op, a donating identity donates nothing (and the programs crawl).
+            stack.enter_context(jax.disable_jit(False))
         if not jax.sharding.get_abstract_mesh().empty:
             # (set_mesh refuses inside a trace, where the caller refuses tracers anyway)
             with contextlib.suppress(ValueError):

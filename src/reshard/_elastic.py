@@ -25,6 +25,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import jax
@@ -127,11 +128,13 @@ _FAILURE = re.compile(
     re.IGNORECASE,
 )
 _NOT_LOSS = re.compile(r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b", re.IGNORECASE)
-# "devices [4, 5]", "device ids (4, 5)"; without brackets only after a plural: "device
-# ids: 4, 5", "devices 4, 5" (a bare "device 3, 4 ..." is one device, see below).
+# "devices [4, 5]", "device ids (4, 5)"; without brackets only after "device ids":
+# "device ids: 4, 5". A bare "devices 0, 1, 2, 3" more often lists the devices an
+# operation ran on than those that failed ("all-reduce over devices 0, 1, 2, 3
+# failed: device 2 halted"), so it does not count.
 _ID_LIST = re.compile(
     r"\bdevices?[ _]?(?:ids?)?\s*[:=]?\s*[\[(]\s*(\d+(?:\s*,\s*\d+)*)\s*[\])]"
-    r"|\b(?:devices|device[ _]ids)\s*[:=]?\s*(\d+(?:\s*,\s*\d+)*)\b",
+    r"|\bdevice[ _]ids\s*[:=]?\s*(\d+(?:\s*,\s*\d+)*)\b",
     re.I,
 )
 # "device 3", "device_id=3", "Device(id=3", "TPU_3", "TpuDevice(id=3", "gpu:3", "cuda 3"
@@ -289,13 +292,14 @@ class ElasticManager:
                 f"ElasticManager: axis {axis!r} is not an axis of the mesh (axis names "
                 f"{tuple(mesh.axis_names)}); pass the data-parallel axis"
             )
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        retries: Any = max_retries  # any integral type (numpy's too), not bool
+        if isinstance(retries, bool) or not isinstance(retries, Integral) or retries < 0:
             raise ValueError(
                 f"ElasticManager: max_retries must be an integer >= 0, got {max_retries!r}"
             )
         self.full_mesh = mesh
         self.axis = axis
-        self.max_retries = max_retries
+        self.max_retries = int(retries)
         self.allowed_sizes = check_allowed_sizes(allowed_sizes, "ElasticManager")
         self.error_parser = error_parser
         self.donate = donate

@@ -162,7 +162,8 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         placed = jax.device_put(
             [values[i] for i in host],
             [plan.leaves[i].dst_sharding for i in host],
-            may_alias=False if given else may_alias,
+            # (None would return an unchanged one itself: a copy, as every array.)
+            may_alias=bool(may_alias is True and not given),
         )
         for i, arr in zip(host, placed, strict=True):
             out[i] = arr

@@ -516,21 +516,32 @@ def run_device(
     del recv, moved
     staged.clear()
     # 4. Per array: move to the destination memory kind and put the shards together.
-    results = []
-    for li, (job, sharding, tg) in enumerate(zip(jobs, shardings, placements, strict=True)):
+    # Kept shards that are not handed over are copied by the runtime, not by a program
+    # (they may be in a host memory kind, where accelerators need not run programs),
+    # all in one batched call.
+    all_parts: list[list[Any]] = []
+    copy_at: list[tuple[int, int]] = []
+    for li, (job, tg) in enumerate(zip(jobs, placements, strict=True)):
         spec = job.plan.spec
         parts: list[Any] = []
-        devs = []
-        for di, d in tg:
+        for di, _ in tg:
             si = job.reused.get(di)
-            if si is not None:
-                b = bufs[li][spec.src[si].device]
-                # A copy by the runtime, not by a program: the shard may be in a host
-                # memory kind, where accelerators need not run programs.
-                parts.append(b if alias[li] else jax.device_put(b, b.sharding, may_alias=False))
-            else:
+            if si is None:
                 parts.append(built[(li, di)])
-            devs.append(d)
+                continue
+            parts.append(bufs[li][spec.src[si].device])
+            if not alias[li]:
+                copy_at.append((li, len(parts) - 1))
+        all_parts.append(parts)
+    if copy_at:
+        kept = [all_parts[li][k] for li, k in copy_at]
+        copies = jax.device_put(kept, [b.sharding for b in kept], may_alias=False)
+        for (li, k), c in zip(copy_at, copies, strict=True):
+            all_parts[li][k] = c
+    results = []
+    for job, sharding, tg, parts in zip(jobs, shardings, placements, all_parts, strict=True):
+        spec = job.plan.spec
+        devs = [d for _, d in tg]
         mk = sharding.memory_kind
         fix = [i for i, p in enumerate(parts) if p.sharding.memory_kind != mk and mk is not None]
         if fix:

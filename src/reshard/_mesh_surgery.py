@@ -83,13 +83,18 @@ def axis_position(axis_names: Sequence[Any], axis: Any, where: str) -> int:
     return names.index(axis)
 
 
-def _ids(devices: Iterable[Any]) -> list[int]:
+def _listed(devices: Iterable[Any], where: str = "") -> Iterable[Any]:
+    """``devices`` itself, once checked to be a collection and not one device or id."""
     if isinstance(devices, str | bytes) or not isinstance(devices, Iterable):
         raise TypeError(
-            f"expected a list of devices or device ids, got {type(devices).__name__}: "
-            f"{devices!r} (for one device, pass [device])"
+            f"{where + ': ' if where else ''}expected a list of devices or device ids, got "
+            f"{type(devices).__name__}: {devices!r} (for one device, pass [device])"
         )
-    return [device_id(d) for d in devices]
+    return devices
+
+
+def _ids(devices: Iterable[Any]) -> list[int]:
+    return [device_id(d) for d in _listed(devices)]
 
 
 def check_allowed_sizes(allowed_sizes: Iterable[int] | None, where: str) -> tuple[int, ...] | None:
@@ -333,7 +338,7 @@ def _as_devices(items: Iterable[Any], mesh: Mesh) -> list[Any]:
     platform = mesh.devices.flat[0].platform
     by_id: dict[int, Any] = {}
     out = []
-    for d in items:
+    for d in _listed(items, "grow_mesh"):
         if isinstance(d, bool):
             raise ValueError(f"grow_mesh: {d!r} is neither a device nor a device id")
         if isinstance(d, int | np.integer):

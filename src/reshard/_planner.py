@@ -107,8 +107,9 @@ class PlanStats:
       send_bytes / recv_bytes: per device id, bytes sent / received.
       peak_extra_bytes: per device id, bytes of new destination buffers the executor
         allocates there while the sources are still alive, reused shards excluded:
-        those are handed over when donating, with ``may_alias=True``, or where the
-        whole array is unchanged; otherwise ``execute`` copies them on their device.
+        those are handed over when donating an array that keeps
+        ``HANDOVER_BYTES`` or more in device memory, or with ``may_alias=True``;
+        otherwise ``execute`` copies them on their device.
         For the device executor it also counts the pieces cut out on each sender and
         staged on each receiver before the destination shards are built from them,
         and the copies in device memory of shards read from or built for a host

@@ -21,7 +21,8 @@ the numpy array it was ``device_put`` from, is copied by that identity instead: 
 correct, just not free.) The parts are first built from the untouched inputs, so any
 failure happens before an input is invalidated. Arrays in unpinned host memory are not
 consumed: XLA runs nothing on them (the donating call aborts the process, jax 0.10 on
-CPU), so they stay valid and the result aliases them, as without donation. Nor are
+CPU), so they stay valid and the result aliases them, as without donation; nor are
+pinned-host arrays that JAX types as device memory (``_compat.may_donate``). Nor are
 different input arrays that share a buffer (see ``_consume``).
 """
 
@@ -336,8 +337,8 @@ def split_by_mesh_axis(
         or a sequence of strictly increasing interior boundaries in ``(0, size)``:
         ``[2, 3]`` on an axis of size 4 gives parts ``[0:2]``, ``[2:3]``, ``[3:4]``.
       donate: consume the inputs: they are marked deleted once the parts are built
-        (not those in unpinned host memory, nor different inputs that share a buffer:
-        those stay valid). Either way no buffer is copied; by default the parts alias
+        (not those in unpinned host memory or that ``_compat.may_donate`` refuses,
+        nor different inputs that share a buffer: those stay valid). Either way no buffer is copied; by default the parts alias
         the inputs.
 
     Returns:
@@ -484,8 +485,9 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
     dimension that names the axis; an array replicated along it keeps its shape (its
     parts are assumed equal, as a replicated array's are; nothing is compared). No data
     crosses devices and nothing is copied. The inputs are donated: they are marked
-    deleted once the result is built (not those in unpinned host memory, nor different
-    inputs that share a buffer: those stay valid, and the result aliases them).
+    deleted once the result is built (not those in unpinned host memory or that
+    ``_compat.may_donate`` refuses, nor different inputs that share a buffer: those
+    stay valid, and the result aliases them).
 
     Args:
       array_trees: pytrees of one structure; each holds ``jax.Array``s (or
