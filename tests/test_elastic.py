@@ -492,6 +492,20 @@ def test_recover_refuses_a_destination_on_lost_devices():
         reshard.recover(x, full, [4, 5])
 
 
+def test_recover_names_lost_devices_in_its_errors():
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    small = reshard.shrink_mesh(full, [4], "data")
+    x = jax.device_put(np.zeros(8), NamedSharding(full, P("fsdp")))
+    for bad in (4, "4", DEVICES[4]):
+        with pytest.raises(
+            TypeError, match=r"recover: lost_devices must be an iterable .*pass \[device\]"
+        ):
+            reshard.recover(x, small, bad)
+    with pytest.raises(ValueError, match=r"recover: lost_devices names device id\(s\) \[42\]"):
+        reshard.recover(x, small, [42])
+    assert not x.is_deleted()
+
+
 # ----------------------------------------------------------------------------------
 # The elastic loop
 # ----------------------------------------------------------------------------------
@@ -532,6 +546,13 @@ def test_manager_mark_lost_then_returned(caplog):
     assert any(
         "devices [4, 5] lost" in r.message and "recovered 132 B" in r.message
         for r in caplog.records
+    )
+    # Kept bytes count every replica (the step counter is on all 4 devices), so they
+    # are said to be the shards' bytes, not the state's.
+    assert ev.bytes_kept == 32 * 4 + 4 * 4
+    assert (
+        "(its shards on the new mesh, each replica counted: 0 B copied between devices, 144 B already in place)"
+        in str(ev)
     )
 
     em.mark_returned([4, 5])
@@ -671,6 +692,13 @@ def test_manager_argument_errors():
     em = reshard.ElasticManager(mesh_of((1, 4), ("data", "fsdp")), "data")
     with pytest.raises(ValueError, match=r"devices \[6\] are not in the full mesh.*grow_mesh"):
         em.mark_lost([6])
+    for bad in (1, DEVICES[1]):
+        with pytest.raises(
+            TypeError, match=r"ElasticManager.mark_lost: expected a list of devices"
+        ):
+            em.mark_lost(bad)
+        with pytest.raises(TypeError, match=r"ElasticManager.mark_returned: expected a list"):
+            em.mark_returned(bad)
     em.mark_lost([1])
     with pytest.raises(ValueError, match=r"every one of the 1 slice\(s\)"):
         em.apply(simple_state(em.full_mesh))

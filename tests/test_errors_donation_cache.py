@@ -64,10 +64,37 @@ def test_partition_spec_gets_a_hint(tree):
 
 
 def test_sharding_tree_not_a_prefix(tree):
-    with pytest.raises(ValueError, match="must be a tree prefix of x"):
+    with pytest.raises(
+        ValueError,
+        match=r"must be a tree prefix of x: at the root the sharding tree has a dict with "
+        r"keys \['other', 'w'\], but x has a dict with keys \['b', 'w'\]",
+    ):
         reshard.reshard(tree, {"w": sharding([4, 5]), "other": sharding([4, 5])})
-    with pytest.raises(ValueError, match="must be a tree prefix of x"):
+    with pytest.raises(
+        ValueError, match="root the sharding tree has a list of 1, but x has a dict"
+    ):
         reshard.reshard(tree, [sharding([4, 5])])
+    deep = {"layers": [tree, tree], "head": tree["w"]}
+    with pytest.raises(
+        ValueError,
+        match=r"at x\['layers'\]\[1\] the sharding tree has a tuple of 2, but x has a dict",
+    ):
+        reshard.reshard(deep, {"layers": [None, (None, None)], "head": sharding([4, 5])})
+    with pytest.raises(
+        ValueError, match=r"at x\['w'\] the sharding tree has a list of 1, but x has a leaf"
+    ):
+        reshard.reshard(tree, {"w": [sharding([4, 5])], "b": sharding([4, 5])})
+
+
+def test_prefix_error_prints_no_values():
+    """JAX's own message prints x's subtrees; ours names keys and types only, so no
+    array is fetched to build it and a large model gives a short message."""
+    leaves = [place(np.full((64, 64), 7.25, np.float32), sharding([0, 1])) for _ in range(40)]
+    with pytest.raises(ValueError) as info:
+        reshard.reshard(leaves, tuple([sharding([4, 5])] * 40))
+    message = str(info.value)
+    assert "a tuple of 40, but x has a list of 40" in message
+    assert "7.25" not in message and len(message) < 300
 
 
 def test_indivisible_shape_names_leaf(tree):
@@ -429,6 +456,70 @@ def test_donating_zero_copy_replicas_frees_them_all():
 def test_bad_executor_name(tree):
     with pytest.raises(ValueError, match=r"executor must be one of .* got 'gpu'"):
         reshard.reshard(tree, sharding([4, 5]), executor="gpu")
+
+
+def test_plan_runs_on_an_equivalent_source_sharding():
+    """A plan built for ``P('a')`` runs on the same layout spelled ``P('a', None)``
+    (what ``jax.jit(out_shardings=...)`` hands back), on every executor; a different
+    layout or memory kind is still refused."""
+    planned, spelled = sharding([0, 1, 2, 3]), sharding([0, 1, 2, 3], P("a", None))
+    assert planned != spelled and planned.is_equivalent_to(spelled, 2)
+    truth = np.arange(64, dtype=np.float32).reshape(16, 4)
+    dst = sharding([4, 5], P(None, "a"))
+    for executor in ("host", "device", "collective"):
+        p = reshard.plan(
+            jax.ShapeDtypeStruct(truth.shape, truth.dtype, sharding=planned),
+            dst,
+            executor=executor,
+            cache=False,
+        )
+        x = jax.jit(lambda t: t + 0, out_shardings=spelled)(place(truth, planned))
+        assert x.sharding == spelled
+        check_result(p.execute(x, donate=True), truth, dst)
+        assert x.is_deleted()
+    for other in (sharding([1, 0, 2, 3]), sharding([0, 1, 2, 3], memory_kind="pinned_host")):
+        with pytest.raises(ValueError, match="the plan was built for"):
+            p.execute(place(truth, other))
+
+
+def test_plan_checks_leaves_placed_by_device_put(tree):
+    """NumPy arrays and scalars (placed by ``jax.device_put``) are checked against the
+    plan like arrays are, with the leaf named."""
+    host = {"w": tree["w"], "h": np.ones(4, np.float32), "n": 3}
+    dst = {"w": sharding([4, 5]), "h": sharding([4, 5]), "n": sharding([4, 5], P())}
+    p = reshard.plan(host, dst, cache=False)
+    out = p.execute({"w": tree["w"], "h": np.zeros(4, np.float32), "n": 5})
+    np.testing.assert_array_equal(np.asarray(out["h"]), np.zeros(4, np.float32))
+    assert int(out["n"]) == 5
+    # A step counter that became an array is still a scalar of the plan's shape.
+    out = p.execute({"w": tree["w"], "h": np.zeros(4, np.float32), "n": jax.numpy.int32(6)})
+    assert int(out["n"]) == 6 and out["n"].sharding == dst["n"]
+    bad = [
+        (
+            "h",
+            np.ones(16, np.float32),
+            ValueError,
+            r"leaf \['h'\]: the plan was built for float32\[4\]",
+        ),
+        (
+            "h",
+            np.ones(4, np.int32),
+            ValueError,
+            r"float32\[4\] placed by jax.device_put, got int32\[4\]",
+        ),
+        ("h", "oops", TypeError, r"leaf \['h'\]: .*not a valid JAX type"),
+        ("n", np.ones(2), ValueError, r"leaf \['n'\]: the plan was built for a Python scalar\[\]"),
+        ("h", tree["w"], ValueError, r"leaf \['h'\]: .*float32\[4\].*got float32\[8, 4\]"),
+    ]
+    for key, value, error, message in bad:
+        with pytest.raises(error, match=message):
+            p.execute({"w": tree["w"], "h": np.ones(4, np.float32), "n": 3} | {key: value})
+
+
+def test_reshard_refuses_a_shape_dtype_struct_with_a_hint(tree):
+    sds = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=tree["w"].sharding)
+    with pytest.raises(ValueError, match=r"leaf \['w'\] is a jax.ShapeDtypeStruct.*reshard.plan"):
+        reshard.reshard({"w": sds, "b": tree["b"]}, sharding([4, 5]))
 
 
 def test_plan_used_on_other_input(tree):

@@ -305,6 +305,18 @@ def test_donate_refuses_a_bad_destination_before_consuming_the_input(spy):
     np.testing.assert_array_equal(np.asarray(x), value)
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_errors_name_the_callers_destination(donate):
+    # A rank-1 array cannot take a 2-entry spec: the error names out_sharding's spec,
+    # not the intermediate one built from it, whether donating or not.
+    src = sharding((8,), ("fsdp",), P("fsdp", None))
+    dst = sharding((4,), ("tp",), P(None, "tp"))
+    x = owned(np.arange(16, dtype=np.float32), sharding((8,), ("fsdp",), P("fsdp")))
+    with pytest.raises(ValueError, match=r"destination spec P\(None, 'tp'\) has 2 entries"):
+        reshard_with_intermediate_sharding(x, src, dst, donate=donate)
+    assert not x.is_deleted()
+
+
 def test_prng_keys_take_the_route():
     src = sharding((8,), ("fsdp",), P("fsdp", None))
     dst = sharding((4,), ("tp",), P(None, "tp"))

@@ -199,6 +199,60 @@ def _flatten(x: Any) -> tuple[list[str], list[Any], Any]:
     return [path_str(p) for p, _ in with_path], [v for _, v in with_path], treedef
 
 
+def _children(node: Any) -> tuple[list[Any], list[Any], Any]:
+    """One level of a pytree node: its children's keys and values, and its treedef."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda n: n is not node)
+    if with_path and not with_path[0][0]:  # a leaf: its only "child" is itself
+        return [], [], treedef
+    return [p[0] for p, _ in with_path], [v for _, v in with_path], treedef
+
+
+def _prefix_mismatch(prefix: Any, full: Any) -> str:
+    """Where the sharding tree ``prefix`` first stops being a prefix of ``x`` (``full``)
+    and how the two differ there, naming keys and types but no values."""
+    is_sharding = lambda s: isinstance(s, Sharding | jax.Device) or s is None  # noqa: E731
+
+    def describe(node: Any) -> str:
+        keys, _, treedef = _children(node)
+        kind = "jax.Array" if isinstance(node, jax.Array) else type(node).__name__
+        if node is None:
+            return "None"
+        if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+            return f"a leaf ({kind})"
+        if isinstance(node, list | tuple) and all(
+            isinstance(k, jax.tree_util.SequenceKey) for k in keys
+        ):
+            return f"a {kind} of {len(keys)}"
+        names = [
+            repr(k.key) if isinstance(k, jax.tree_util.DictKey) else jax.tree_util.keystr((k,))
+            for k in keys
+        ]
+        more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
+        return f"a {kind} with keys [{', '.join(names[:8])}{more}]"
+
+    path: list[Any] = []
+    while not is_sharding(prefix):
+        p_keys, p_kids, p_def = _children(prefix)
+        f_keys, f_kids, f_def = _children(full)
+        if p_def != f_def or p_keys != f_keys:
+            where = f"x{path_str(path)}" if path else "the root"
+            return (
+                f"at {where} the sharding tree has {describe(prefix)}, but x has {describe(full)}"
+            )
+        # The first child that is not a prefix (there is one, or flattening would
+        # have worked).
+        for k, p_kid, f_kid in zip(p_keys, p_kids, f_kids, strict=True):
+            try:
+                jax.tree_util.tree_structure(p_kid, is_leaf=is_sharding).flatten_up_to(f_kid)  # type: ignore[attr-defined]
+            except (ValueError, TypeError):
+                path.append(k)
+                prefix, full = p_kid, f_kid
+                break
+        else:  # pragma: no cover - flatten_up_to failed, so a child differs
+            break
+    return f"the structures differ below x{path_str(path)}"
+
+
 def _broadcast_shardings(sharding: Any, x: Any, n: int) -> list[Any]:
     """One destination sharding per leaf of ``x``, from a tree prefix of ``x``."""
     s_with_path, s_def = jax.tree_util.tree_flatten_with_path(
@@ -222,11 +276,10 @@ def _broadcast_shardings(sharding: Any, x: Any, n: int) -> list[Any]:
             raise refuse(p, s)
     try:
         subtrees = s_def.flatten_up_to(x)  # type: ignore[attr-defined]
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError):
+        # (JAX's own message prints x's subtrees, the arrays' values included.)
         raise ValueError(
-            "the sharding pytree must be a tree prefix of x: "
-            f"sharding structure {s_def} does not match x structure "
-            f"{jax.tree_util.tree_structure(x)} ({e})"
+            f"the sharding pytree must be a tree prefix of x: {_prefix_mismatch(sharding, x)}"
         ) from None
     out: list[Any] = []
     for (p, s), sub in zip(s_with_path, subtrees, strict=True):
@@ -360,15 +413,17 @@ def _check_distinct_devices(where: str, dst: Any) -> None:
         )
 
 
-def _avoid_ids(avoid_devices: Iterable[Any] | None) -> frozenset[int]:
-    """Device ids from ``avoid_devices`` (devices or ids), each one a device JAX has."""
+def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices") -> frozenset[int]:
+    """Device ids from ``avoid_devices`` (devices or ids), each one a device JAX has;
+    errors name the argument as ``what``."""
     if avoid_devices is None:
         return frozenset()
     if isinstance(avoid_devices, str | bytes | jax.Device) or not isinstance(
         avoid_devices, Iterable
     ):
         raise TypeError(
-            f"avoid_devices must be an iterable of devices or device ids, got {avoid_devices!r}"
+            f"{what} must be an iterable of devices or device ids, got "
+            f"{type(avoid_devices).__name__}: {avoid_devices!r} (for one device, pass [device])"
         )
     ids = []
     for d in avoid_devices:
@@ -378,13 +433,13 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None) -> frozenset[int]:
             ids.append(device_id(d))
         except ValueError:
             raise TypeError(
-                f"avoid_devices holds {d!r}, which is neither a device nor a device id"
+                f"{what} holds {d!r}, which is neither a device nor a device id"
             ) from None
     avoid = frozenset(ids)
     unknown = avoid - _all_device_ids()
     if unknown:
         raise ValueError(
-            f"avoid_devices names device id(s) {sorted(unknown)} that JAX does not have "
+            f"{what} names device id(s) {sorted(unknown)} that JAX does not have "
             f"(jax.devices() has {len(_all_device_ids())} devices)"
         )
     return avoid

@@ -31,8 +31,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from ._api import _avoid_ids
 from ._api import plan as make_plan
-from ._mesh_surgery import carry_shardings, check_allowed_sizes, device_id, shrink_mesh
+from ._mesh_surgery import _listed, carry_shardings, check_allowed_sizes, device_id, shrink_mesh
 from ._plan import Plan, human_bytes
 
 logger = logging.getLogger("reshard.elastic")
@@ -59,7 +60,7 @@ class DeviceLossError(RuntimeError):
 def _recover_with_plan(
     x: Any, sharding: Any, lost_devices: Iterable[Any], *, donate: bool
 ) -> tuple[Any, Plan]:
-    lost = frozenset(device_id(d) for d in lost_devices)
+    lost = _avoid_ids(lost_devices, "recover: lost_devices")
     if isinstance(sharding, Mesh):
         leaves, treedef = jax.tree_util.tree_flatten(x)
         if not all(isinstance(a, jax.Array) for a in leaves):
@@ -194,8 +195,10 @@ class ElasticEvent:
         can be in both, when it was lost and came back in between).
       old_shape / new_shape: mesh axis sizes before and after.
       state_bytes: logical bytes of the recovered state (each element once).
-      bytes_moved: bytes copied between devices.
-      bytes_kept: destination bytes that were already in place (no copy).
+      bytes_moved: bytes copied between devices (of the shards on the new mesh, each
+        replica counted, so with replicated leaves these two can add up to more than
+        ``state_bytes``).
+      bytes_kept: bytes of those shards that were already in place (no copy).
       seconds: wall time of the recovery, planning included.
       cause: what triggered it (``"mark_lost"``, or the error text).
     """
@@ -219,9 +222,10 @@ class ElasticEvent:
             what.append(f"devices {list(self.returned)} returned")
         return (
             f"{self.kind}: {', '.join(what) or 'no device change'}; mesh {self.old_shape} -> "
-            f"{self.new_shape}; recovered {human_bytes(self.state_bytes)} of state "
-            f"({human_bytes(self.bytes_moved)} copied between devices, "
-            f"{human_bytes(self.bytes_kept)} already in place) in {self.seconds * 1e3:.1f} ms"
+            f"{self.new_shape}; recovered {human_bytes(self.state_bytes)} of state in "
+            f"{self.seconds * 1e3:.1f} ms (its shards on the new mesh, each replica counted: "
+            f"{human_bytes(self.bytes_moved)} copied between devices, "
+            f"{human_bytes(self.bytes_kept)} already in place)"
         )
 
 
@@ -382,7 +386,7 @@ class ElasticManager:
             logger.info("devices %s reported back", sorted(ids))
 
     def _known(self, devices: Iterable[Any], where: str) -> set[int]:
-        ids = {device_id(d) for d in devices}
+        ids = {device_id(d) for d in _listed(devices, f"ElasticManager.{where}")}
         unknown = sorted(ids - self._all.keys())
         if unknown:
             raise ValueError(

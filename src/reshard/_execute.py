@@ -15,7 +15,7 @@ from jax.sharding import Sharding
 from . import _compat
 from ._geometry import volume
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
-from ._plan import HOST, KEY, LeafInfo, Plan
+from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
 
 
 def _jobs(plan: Plan) -> list[LeafJob]:
@@ -52,6 +52,62 @@ def traced_leaf(where: str, v: Any) -> Exception:
     )
 
 
+def _check_leaf(leaf: LeafInfo, v: Any) -> bool:
+    """Checks ``v`` against what the plan was built for; whether it is a jax.Array.
+
+    A source sharding may be spelled differently from the plan's (``P('a')`` for
+    ``P('a', None)``, say) if it is equivalent: the same devices in the same order,
+    the same shards, the same memory kind (what ``jax.jit`` accepts for the same
+    program). Leaves that ``jax.device_put`` places (NumPy arrays, scalars) must have
+    the plan's shape and dtype too (any dtype where the plan had a Python scalar).
+    """
+    where = leaf.path or "<root>"
+    if isinstance(v, jax.core.Tracer):
+        raise traced_leaf(where, v)
+    if isinstance(v, jax.ShapeDtypeStruct):
+        raise ValueError(
+            f"leaf {where} is a jax.ShapeDtypeStruct, which describes an array but holds no "
+            "data: resharding moves data, so pass the jax.Array (ShapeDtypeStructs are for "
+            "reshard.plan, to plan ahead)"
+        )
+    if isinstance(v, jax.Array) and v.is_deleted():
+        raise ValueError(f"leaf {where} is a deleted jax.Array (was it donated earlier?)")
+    if leaf.kind == HOST and leaf.src_sharding is None:
+        try:
+            jax.typeof(v)  # what jax.device_put would refuse, with the leaf named
+        except (TypeError, ValueError, OverflowError) as e:
+            raise type(e)(f"leaf {where}: {e}") from None
+        dtype = getattr(v, "dtype", None)
+        if np.shape(v) == leaf.shape and (leaf.dtype is None or dtype == leaf.dtype):
+            return False
+        raise ValueError(
+            f"leaf {where}: the plan was built for {leaf.dtype or 'a Python scalar'}"
+            f"{list(leaf.shape)} placed by jax.device_put, got "
+            f"{dtype or type(v).__name__}{list(np.shape(v))}"
+        )
+    if not isinstance(v, jax.Array):
+        raise ValueError(f"leaf {where}: expected a jax.Array, got {type(v).__name__}")
+    src = leaf.src_sharding
+    if (
+        tuple(v.shape) != leaf.shape
+        or v.dtype != leaf.dtype
+        or (v.sharding != src and not _equivalent(v.sharding, src, len(leaf.shape)))
+    ):
+        raise ValueError(
+            f"leaf {where}: the plan was built for {leaf.dtype}{list(leaf.shape)} on "
+            f"{src}, got {v.dtype}{list(v.shape)} on {v.sharding}"
+        )
+    return True
+
+
+def _equivalent(a: Sharding, b: Sharding | None, ndim: int) -> bool:
+    """``a.is_equivalent_to(b, ndim)``, false where JAX cannot compare them."""
+    try:
+        return b is not None and bool(a.is_equivalent_to(b, ndim))
+    except (ValueError, TypeError, NotImplementedError):
+        return False
+
+
 # What arrays of one geometry share of their ``LeafJob``: all but the leaf plan.
 _JOB_SHARED = tuple(f.name for f in dataclasses.fields(LeafJob))[1:]
 
@@ -66,21 +122,7 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         )
     weak = set()  # weakly typed arrays (jax.device_put keeps that; so does finish)
     for i, (leaf, v) in enumerate(zip(plan.leaves, values, strict=True)):
-        if leaf.kind == HOST:
-            continue
-        where = leaf.path or "<root>"
-        if not isinstance(v, jax.Array):
-            raise ValueError(f"leaf {where}: the plan expects a jax.Array, got {type(v).__name__}")
-        if isinstance(v, jax.core.Tracer):
-            raise traced_leaf(where, v)
-        if v.is_deleted():
-            raise ValueError(f"leaf {where} is a deleted jax.Array (was it donated earlier?)")
-        if tuple(v.shape) != leaf.shape or v.dtype != leaf.dtype or v.sharding != leaf.src_sharding:
-            raise ValueError(
-                f"leaf {where}: the plan was built for {leaf.dtype}{list(leaf.shape)} on "
-                f"{leaf.src_sharding}, got {v.dtype}{list(v.shape)} on {v.sharding}"
-            )
-        if leaf.kind != KEY and v.weak_type:  # (key arrays have no weak type)
+        if _check_leaf(leaf, v) and leaf.kind == ARRAY and v.weak_type:
             weak.add(i)
     if jax.process_count() > 1 and plan.executor != "collective":
         raise ValueError(

@@ -246,7 +246,15 @@ def reshard_with_intermediate_sharding(
         # shape it cannot divide, say) must be refused before: a failure loses nothing.
         # Every leaf keeps its shape on the way, so planning x -> out_sharding checks it.
         plan(x, out_sharding, cache=cache)
-    y = reshard(x, intermediate, donate=donate, may_alias=may_alias, cache_resharding_plans=cache)
+    try:
+        y = reshard(
+            x, intermediate, donate=donate, may_alias=may_alias, cache_resharding_plans=cache
+        )
+    except ValueError:
+        if not donate:
+            # Name what the caller gave, not the intermediate sharding built from it.
+            plan(x, out_sharding, cache=cache)
+        raise
     for axis in replica_axes:
         # Keep the first replica; dropping the list releases the others' buffers.
         y = split_by_mesh_axis(y, axis)[0]
