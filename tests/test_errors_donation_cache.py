@@ -621,9 +621,18 @@ def test_failure_mid_run_loses_nothing(tree, monkeypatch, executor, copied_whole
 
 
 def test_multi_process_without_collective_is_a_clear_error(tree, monkeypatch):
+    from reshard import _plan
+
     p = reshard.plan(tree, sharding([4, 5]), executor="host", cache=False)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match="runs in one process, but JAX runs 2 processes"):
+    # Within one process (this one), a local executor runs, as jax.device_put would.
+    assert p.processes == {0} and not p.crosses_processes
+    np.testing.assert_array_equal(np.asarray(p.execute(tree)["w"]), np.asarray(tree["w"]))
+    monkeypatch.setattr(_plan.Plan, "processes", property(lambda self: frozenset({0, 1})))
+    with pytest.raises(
+        ValueError,
+        match=r"runs in one process, but this plan's devices belong to processes \[0, 1\]",
+    ):
         p.execute(tree)
 
 

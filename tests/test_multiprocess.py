@@ -198,7 +198,43 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         move(a, sh, sh, may_alias=False)
 
     def no_union_device_on_some_processes() -> None:
-        move(a, ns(devs[:1], ("f",), P()), ns(devs[1:2], ("t",), P()))
+        move(a, ns(devs[:1], ("f",), P()), ns(devs[-1:], ("t",), P()))
+
+    def within_one_process() -> None:
+        # Devices of one process only: that process moves everything, as
+        # jax.device_put would, with no collective; the others make empty outputs. So
+        # each process may also move its own arrays on its own devices (different
+        # arguments on each), any number of times, and the processes stay in step.
+        mine = np.array([d for d in devs if d.process_index == me])
+        first = np.array([d for d in devs if d.process_index == 0])
+        b = _ground_truth((16, 24), np.int32, 1)
+        for donate in (False, True):
+            src, dst = ns(first, ("f",), P("f")), ns(first[::-1], ("t",), P(None, "t"))
+            x = make(a, src)
+            p = reshard.plan(x, dst)
+            assert p.executor == "host" and not p.crosses_processes, p.executor
+            check(reshard.reshard(x, dst, donate=donate), a, dst)
+            assert x.is_deleted() == donate
+            src = ns(mine, ("f",), P("f"))
+            for _ in range(me + 1):  # more calls on later processes
+                x = make(b, src)
+                for executor in ("auto", "host", "device"):
+                    dst = ns(mine[::-1], ("t",), P(None, "t"))
+                    check(reshard.reshard(x, dst, executor=executor), b, dst)
+                key = jax.random.key_data(jax.random.split(jax.random.key(me), 8))
+                keys = jax.device_put(jax.random.wrap_key_data(key), src)
+                kdst = {"k": ns(mine[::-1], ("t",), P("t")), "n": ns(mine, ("t",), P())}
+                out = reshard.reshard({"k": keys, "n": 3}, kdst)
+                check(out["k"], np.asarray(key), kdst["k"])
+                assert int(out["n"]) == 3 and out["n"].sharding == kdst["n"]
+        try:  # an executor of one process, on a plan that spans several, is refused
+            reshard.plan(
+                make(a, ns(devs, ("f",), P("f"))), ns(devs[::-1], ("t",), P("t")), executor="host"
+            ).execute(make(a, ns(devs, ("f",), P("f"))))
+            raise AssertionError("a one-process executor ran across processes")
+        except ValueError as e:
+            assert "runs in one process, but this plan's devices belong to processes" in str(e)
+        move(a, ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t")))
 
     def memory_kinds() -> None:
         move(
@@ -645,6 +681,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     host_only = (
         a_process_failing_mid_reshard_fails_every_process,
         a_process_failing_after_the_transfer_fails_alone,
+        within_one_process,  # (whatever the packing: run once per layout)
     )
     device_only = (
         a_process_failing_before_the_program_fails_every_process,
@@ -860,6 +897,7 @@ SCENARIOS = [
 ]
 # Failures part-way through: the host-packed schedule's filler stages and status.
 HOST_SCENARIOS = [
+    "within_one_process",
     "a_process_failing_mid_reshard_fails_every_process",
     "a_process_failing_after_the_transfer_fails_alone",
 ]

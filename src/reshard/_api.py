@@ -23,7 +23,7 @@ from ._errors import DataLossError
 from ._execute import _whole_copy, device_peak_extra, execute_plan, traced_leaf
 from ._geometry import box_from_index
 from ._mesh_surgery import device_id
-from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
+from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan, plan_processes
 from ._planner import LeafSpec, ShardSpec, plan_leaves
 
 EXECUTORS = ("auto", "host", "device", "collective")
@@ -115,6 +115,8 @@ def reshard(
         avoid_devices=avoid_devices,
         cache=cache_resharding_plans,
     )
+    if not p.crosses_processes:
+        _collective_common.uncount_call()  # not a collective call after all
     return execute_plan(p, x, donate=donate, may_alias=may_alias)
 
 
@@ -545,7 +547,8 @@ def _build_plan(
             [(path, box[: ranks.get(path, len(box))]) for path, box in e.missing]
         ) from None
     if executor == "auto":
-        if jax.process_count() > 1:
+        # (A plan within one process runs there alone, as jax.device_put does.)
+        if jax.process_count() > 1 and len(plan_processes(leaves, leaf_plans)) > 1:
             executor = "collective"
         elif platforms <= {"cpu"}:
             executor = "host"

@@ -80,10 +80,11 @@ def _check_leaf(leaf: LeafInfo, v: Any) -> bool:
         dtype = getattr(v, "dtype", None)
         if np.shape(v) == leaf.shape and (leaf.dtype is None or dtype == leaf.dtype):
             return False
+        planned = "a Python scalar" if leaf.dtype is None else leaf.dtype
+        got = type(v).__name__ if dtype is None else dtype
         raise ValueError(
-            f"leaf {where}: the plan was built for {leaf.dtype or 'a Python scalar'}"
-            f"{list(leaf.shape)} placed by jax.device_put, got "
-            f"{dtype or type(v).__name__}{list(np.shape(v))}"
+            f"leaf {where}: the plan was built for {planned}{list(leaf.shape)} placed by "
+            f"jax.device_put, got {got}{list(np.shape(v))}"
         )
     if not isinstance(v, jax.Array):
         raise ValueError(f"leaf {where}: expected a jax.Array, got {type(v).__name__}")
@@ -124,10 +125,11 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     for i, (leaf, v) in enumerate(zip(plan.leaves, values, strict=True)):
         if _check_leaf(leaf, v) and leaf.kind == ARRAY and v.weak_type:
             weak.add(i)
-    if jax.process_count() > 1 and plan.executor != "collective":
+    if jax.process_count() > 1 and plan.executor != "collective" and plan.crosses_processes:
         raise ValueError(
-            f"the {plan.executor!r} executor runs in one process, but JAX runs "
-            f"{jax.process_count()} processes; use executor='collective' (or 'auto')"
+            f"the {plan.executor!r} executor runs in one process, but this plan's devices "
+            f"belong to processes {sorted(plan.processes)}; use executor='collective' (or "
+            "'auto')"
         )
 
     planned = [(i, leaf) for i, leaf in enumerate(plan.leaves) if leaf.kind != HOST]
@@ -139,6 +141,13 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     alias = aliases(plan, donate=donate, may_alias=may_alias)
     if not planned:
         moved: list[jax.Array] = []
+    elif plan.executor in ("host", "device") and jax.process_index() not in plan.processes:
+        # Another process holds every device of the plan and moves everything there
+        # (see Plan.crosses_processes): here the outputs hold no shard.
+        moved = [
+            jax.make_array_from_single_device_arrays(v.shape, s, [], dtype=v.dtype)
+            for v, s in zip(sources, dst_shardings, strict=True)
+        ]
     elif plan.executor in ("host", "device"):
         # Arrays whose shards all just change device go through PjRt's own batched
         # copy (started first: it runs while the executor copies the rest).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,18 @@ class LeafInfo:
     # For KEY leaves: the key data's shardings (source and destination).
     data_src_sharding: Sharding | None = None
     data_dst_sharding: Sharding | None = None
+
+
+def plan_processes(leaves: Sequence[LeafInfo], leaf_plans: Sequence[LeafPlan]) -> frozenset[int]:
+    """The JAX processes holding a source or destination device of any leaf."""
+    found = {s.process for lp in leaf_plans for s in (*lp.spec.src, *lp.spec.dst)}
+    for leaf in leaves:
+        if leaf.kind == HOST:
+            for sharding in (leaf.src_sharding, leaf.dst_sharding):
+                if sharding is not None:
+                    devices: Any = sharding.device_set
+                    found |= {d.process_index for d in devices}
+    return frozenset(found)
 
 
 def human_bytes(n: float) -> str:
@@ -96,7 +109,8 @@ class Plan:
         from ._collective_common import count_call
         from ._execute import execute_plan
 
-        count_call()  # before anything can fail (see count_call)
+        if self.crosses_processes:
+            count_call()  # before anything can fail (see count_call)
         return execute_plan(self, x, donate=donate, may_alias=may_alias)
 
     # -- describing --------------------------------------------------------------
@@ -104,6 +118,22 @@ class Plan:
     @property
     def planned_leaves(self) -> tuple[LeafInfo, ...]:
         return tuple(leaf for leaf in self.leaves if leaf.kind != HOST)
+
+    @property
+    def processes(self) -> frozenset[int]:
+        """The JAX processes that hold a source or destination device of the plan."""
+        found = self._cache.get("processes")
+        if found is None:
+            found = self._cache["processes"] = plan_processes(self.leaves, self.leaf_plans)
+        return found
+
+    @property
+    def crosses_processes(self) -> bool:
+        """Whether running the plan needs more than one process (collectives: every
+        process must call it alike). A plan whose devices all belong to one process
+        runs there alone, like ``jax.device_put``; the other processes, holding no
+        shard of it, only make its (empty) outputs."""
+        return len(self.processes) > 1
 
     def transfer_matrix(self) -> tuple[list[int], list[int], np.ndarray]:
         """Bytes moved from each source device to each destination device.
