@@ -333,7 +333,9 @@ def test_plan_colours_only_on_a_terminal() -> None:
         # numpy reads these as records, objects, strings, dates, or a syntax error
         *[(["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", f"--dtype={d}"],
            ["not a dtype", "bfloat16"])
-          for d in (",8", "f4,f4", "object", "finfo", "S3", "M8[ns]", "V8", "float128")],
+          for d in (",8", "f4,f4", "object", "finfo", "S3", "M8[ns]", "V8", "float128", ">f4")],
+        (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--src-memory-kind",
+          "bogus"], ["--src-memory-kind", "invalid choice: 'bogus'", "pinned_host"]),
         (["plan", "--shape", "16", "--src-mesh", "100000x100000", "--dst-mesh", "2"],
          ["10000000000 devices", "at most"]),
         (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--avoid", "0-99999999999"],
@@ -381,6 +383,14 @@ def test_bad_arguments_are_one_line_exit_2(args: list[str], needles: list[str]) 
 def test_bad_environment_is_one_line_exit_2() -> None:
     res = run_cli("demo", "--processes", "2", RESHARD_DEMO_TIMEOUT_S="abc")
     one_line_usage_error(res, "RESHARD_DEMO_TIMEOUT_S='abc'", "seconds")
+
+
+def test_demo_timeout_names_the_variable_to_raise() -> None:
+    """The CLI's only knob is the environment variable, not launch_local's argument."""
+    res = run_cli("demo", "--processes", "2", "--size-mb", "1", RESHARD_DEMO_TIMEOUT_S="0.5")
+    assert res.returncode == 1, res.stderr
+    assert "raise RESHARD_DEMO_TIMEOUT_S (seconds, now 0.5) if the work needs longer" in res.stderr
+    assert "timeout_s" not in res.stderr.replace("RESHARD_DEMO_TIMEOUT_S", "")
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
@@ -431,6 +441,24 @@ def test_a_closed_stdout_pipe_keeps_the_runs_own_exit_code(
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 1, err
     assert err.startswith("reshard plan: ") and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_an_unwritable_stdout_is_a_failure_with_a_message() -> None:
+    """A full disk loses the output: exit 1 with one line on stderr, no traceback."""
+    args = ["plan", "--shape", "48,64", "--src-mesh", "8", "--dst-mesh", "6"]
+    with open("/dev/full", "w") as full:
+        res = subprocess.run(
+            [sys.executable, "-m", "reshard", *args],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            timeout=60,
+        )
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("reshard plan: error: cannot write standard output: ")
+    assert "Traceback" not in res.stderr, res.stderr
 
 
 def test_plan_of_exabytes_counts_past_int64() -> None:

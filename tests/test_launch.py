@@ -368,6 +368,11 @@ def test_bad_arguments_are_rejected_with_the_value() -> None:
         launch_local("x:y", init_timeout_s=5.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="whole seconds >= 1.*'shutdown_timeout_s': 0"):
         launch_local("x:y", shutdown_timeout_s=0)
+    for bad in ("2", 2.5, True):
+        with pytest.raises(ValueError, match=rf"as integers; got num_processes={bad!r}"):
+            launch_local("x:y", num_processes=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="target names what to run, as text.*got builtin"):
+        launch_local(print)  # type: ignore[arg-type]
 
 
 def test_initialize_from_env_outside_a_launch_says_how_to_fix(

@@ -206,11 +206,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"{e.prog or prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except OutputLost as e:
+        print(f"{prog}: error: cannot write standard output: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("reshard: interrupted", file=sys.stderr)
         return 130
     finally:
         sys.stdout = stdout
+
+
+class OutputLost(Exception):
+    """Standard output could not be written (not a reader that left: that is fine)."""
 
 
 class _ReaderMayLeave:
@@ -232,6 +239,9 @@ class _ReaderMayLeave:
                 self._stream.write(text)
             except BrokenPipeError:
                 self._reader_left()
+            except OSError as e:  # a full disk, say: the output is lost, so the run fails
+                self._reader_left()
+                raise OutputLost(e) from None
         return len(text)
 
     def flush(self) -> None:
@@ -240,6 +250,9 @@ class _ReaderMayLeave:
                 self._stream.flush()
             except BrokenPipeError:
                 self._reader_left()
+            except OSError as e:
+                self._reader_left()
+                raise OutputLost(e) from None
 
     def _reader_left(self) -> None:
         self._gone = True

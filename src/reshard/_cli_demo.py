@@ -220,7 +220,11 @@ def _run_processes(args: argparse.Namespace) -> dict[str, Any] | None:
             timeout_s=timeout_s(),
         )
     except _launch.LaunchError as e:
-        print(f"reshard demo: the multi-process run failed:\n{e}", file=sys.stderr)
+        text = str(e).replace(
+            "raise timeout_s if the work needs longer",
+            f"raise {ENV_TIMEOUT} (seconds, now {timeout_s():g}) if the work needs longer",
+        )
+        print(f"reshard demo: the multi-process run failed:\n{text}", file=sys.stderr)
         raise SystemExit(EXIT_FAILED) from None
     values = [r.value for r in results]
     merged: dict[str, Any] = values[0]

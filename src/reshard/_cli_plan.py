@@ -137,6 +137,10 @@ def devices_arg(text: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
+# The memory kinds of JAX's devices (CPU, GPU and TPU alike).
+MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
+
+
 def dtype_arg(text: str) -> np.dtype[Any]:
     """A numpy dtype name, or one of JAX's extra types (``bfloat16``, ``int4``, ...)."""
     import ml_dtypes  # a dependency of jax; provides bfloat16, float8_*, int4
@@ -151,7 +155,7 @@ def dtype_arg(text: str) -> np.dtype[Any]:
             # Numbers and bools of the widths JAX has: not strings, objects, dates,
             # records ("i4,f4") or raw bytes, nor float128.
             ok = dt.kind in "biufc" and dt.itemsize <= (16 if dt.kind == "c" else 8)
-        ok = ok and dt.itemsize > 0
+        ok = ok and dt.itemsize > 0 and dt.isnative  # (JAX has no byte-swapped types)
     except Exception:  # numpy raises TypeError, ValueError or SyntaxError (",8")
         ok = False
     if not ok:
@@ -354,8 +358,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             f"--{side}-memory-kind",
             default="device",
+            choices=MEMORY_KINDS,
             metavar="KIND",
-            help=f"{word} memory kind (device)",
+            help=f"{word} memory kind: {', '.join(MEMORY_KINDS)} (device)",
         )
     p.add_argument(
         "--avoid",

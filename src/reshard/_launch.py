@@ -200,15 +200,24 @@ def launch_local(
         One :class:`ProcessResult` per process, in process-id order.
 
     Raises:
-        ValueError: a count or timeout is out of range, or ``args`` is not
-            JSON-serialisable.
+        TypeError: ``target`` is not text.
+        ValueError: a count or timeout is out of range or not a number, or ``args`` is
+            not JSON-serialisable.
         LaunchError: with ``check=True``, when any process failed or timed out; the
             message names the process that failed first and shows its stderr tail.
     """
-    if num_processes < 1 or devices_per_process < 1:
+    if not isinstance(target, str):
+        raise TypeError(
+            "launch_local target names what to run, as text: 'pkg.module:function', "
+            "'path/to/file.py:function', 'path/to/script.py' or 'pkg.module'; got "
+            f"{type(target).__name__}: {target!r}"
+        )
+    counts = {"num_processes": num_processes, "devices_per_process": devices_per_process}
+    if any(isinstance(v, bool) or not isinstance(v, Integral) or v < 1 for v in counts.values()):
         raise ValueError(
-            "launch_local needs num_processes >= 1 and devices_per_process >= 1; got "
-            f"num_processes={num_processes}, devices_per_process={devices_per_process}."
+            "launch_local needs num_processes >= 1 and devices_per_process >= 1, as "
+            f"integers; got num_processes={num_processes!r}, "
+            f"devices_per_process={devices_per_process!r}."
         )
     if not timeout_s > 0 or not peer_failure_grace_s >= 0:  # NaN fails both
         raise ValueError(
