@@ -86,6 +86,28 @@ def test_sharding_tree_not_a_prefix(tree):
         reshard.reshard(tree, {"w": [sharding([4, 5])], "b": sharding([4, 5])})
 
 
+def test_prefix_error_names_what_differs_where_types_agree():
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Params:
+        w: object
+        tag: str = dataclasses.field(metadata={"static": True}, default="a")
+
+    x = Params(place(np.zeros(4, np.float32), sharding([0, 1])), tag="a")
+    with pytest.raises(
+        ValueError, match=r"whose node data differs: .*\('b',\).* against .*\('a',\)"
+    ):
+        reshard.reshard(x, Params(sharding([4, 5]), tag="b"))
+    many = {f"k{i:02d}": np.zeros(2) for i in range(12)}
+    shardings = {k: sharding([4, 5]) for k in list(many)[:11]} | {"extra": sharding([4, 5])}
+    with pytest.raises(
+        ValueError, match=r"only the sharding tree has \['extra'\], only x has \['k11'\]"
+    ):
+        reshard.reshard(many, shardings)
+
+
 def test_prefix_error_prints_no_values():
     """JAX's own message prints x's subtrees; ours names keys and types only, so no
     array is fetched to build it and a large model gives a short message."""

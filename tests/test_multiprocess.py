@@ -218,9 +218,21 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             src = ns(mine, ("f",), P("f"))
             for _ in range(me + 1):  # more calls on later processes
                 x = make(b, src)
-                for executor in ("auto", "host", "device"):
+                for executor in ("auto", "host", "device", "collective", "device-packed"):
                     dst = ns(mine[::-1], ("t",), P(None, "t"))
-                    check(reshard.reshard(x, dst, executor=executor), b, dst)
+                    packing = _collective_executor.PACK_ON_HOST
+                    _collective_executor.PACK_ON_HOST = executor != "device-packed"
+                    try:
+                        executor = "collective" if executor == "device-packed" else executor
+                        check(reshard.reshard(x, dst, executor=executor), b, dst)
+                    finally:
+                        _collective_executor.PACK_ON_HOST = packing
+                if me == 0:  # a bad local call on one process: refused, not counted
+                    try:
+                        reshard.reshard(x, ns(mine, ("t",), P(None, None, "t")))
+                        raise AssertionError("a spec longer than the rank was accepted")
+                    except ValueError as e:
+                        assert "has 3 entries but the array has rank 2" in str(e), e
                 key = jax.random.key_data(jax.random.split(jax.random.key(me), 8))
                 keys = jax.device_put(jax.random.wrap_key_data(key), src)
                 kdst = {"k": ns(mine[::-1], ("t",), P("t")), "n": ns(mine, ("t",), P())}

@@ -108,16 +108,47 @@ def reshard(
       True
     """
     _collective_common.count_call()  # before anything can fail (see count_call)
-    p = plan(
-        x,
-        sharding,
-        executor=executor,
-        avoid_devices=avoid_devices,
-        cache=cache_resharding_plans,
-    )
+    try:
+        p = plan(
+            x,
+            sharding,
+            executor=executor,
+            avoid_devices=avoid_devices,
+            cache=cache_resharding_plans,
+        )
+    except Exception:
+        if not _may_cross_processes(x, sharding):
+            _collective_common.uncount_call()  # a call within one process, refused
+        raise
     if not p.crosses_processes:
         _collective_common.uncount_call()  # not a collective call after all
     return execute_plan(p, x, donate=donate, may_alias=may_alias)
+
+
+def _may_cross_processes(x: Any, sharding: Any) -> bool:
+    """For a call that could not be planned: whether the devices its arguments name
+    (its arrays' and its destination shardings') may belong to more than one process.
+    So a call within one process is not counted (``Plan.crosses_processes``) even when
+    its arguments are refused; where in doubt, it is."""
+    if jax.process_count() == 1:
+        return False
+    try:
+        found: set[int] = set()
+        for v in jax.tree_util.tree_leaves(x):
+            if isinstance(v, jax.Array | jax.ShapeDtypeStruct):
+                devices: Any = getattr(v.sharding, "device_set", None)
+                found |= {d.process_index for d in devices or ()}
+        shardings = jax.tree_util.tree_leaves(
+            sharding, is_leaf=lambda s: isinstance(s, Sharding | jax.Device)
+        )
+        destinations: set[int] = set()
+        for s in shardings:
+            devices = [s] if isinstance(s, jax.Device) else getattr(s, "device_set", ())
+            destinations |= {d.process_index for d in devices}
+        # No destination device to see (a PartitionSpec for a sharding, say): in doubt.
+        return not destinations or len(found | destinations) > 1
+    except Exception:  # arguments too broken to tell
+        return True
 
 
 def plan(
@@ -214,6 +245,9 @@ def _prefix_mismatch(prefix: Any, full: Any) -> str:
     and how the two differ there, naming keys and types but no values."""
     is_sharding = lambda s: isinstance(s, Sharding | jax.Device) or s is None  # noqa: E731
 
+    def name(k: Any) -> str:
+        return repr(k.key) if isinstance(k, jax.tree_util.DictKey) else jax.tree_util.keystr((k,))
+
     def describe(node: Any) -> str:
         keys, _, treedef = _children(node)
         kind = "jax.Array" if isinstance(node, jax.Array) else type(node).__name__
@@ -225,10 +259,7 @@ def _prefix_mismatch(prefix: Any, full: Any) -> str:
             isinstance(k, jax.tree_util.SequenceKey) for k in keys
         ):
             return f"a {kind} of {len(keys)}"
-        names = [
-            repr(k.key) if isinstance(k, jax.tree_util.DictKey) else jax.tree_util.keystr((k,))
-            for k in keys
-        ]
+        names = [name(k) for k in keys]
         more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
         return f"a {kind} with keys [{', '.join(names[:8])}{more}]"
 
@@ -238,9 +269,23 @@ def _prefix_mismatch(prefix: Any, full: Any) -> str:
         f_keys, f_kids, f_def = _children(full)
         if p_def != f_def or p_keys != f_keys:
             where = f"x{path_str(path)}" if path else "the root"
-            return (
+            text = (
                 f"at {where} the sharding tree has {describe(prefix)}, but x has {describe(full)}"
             )
+            if type(prefix) is type(full):
+                p_names, f_names = [name(k) for k in p_keys], [name(k) for k in f_keys]
+                only_p = [k for k in p_names if k not in f_names]
+                only_f = [k for k in f_names if k not in p_names]
+                if (only_p or only_f) and not isinstance(prefix, list | tuple):
+                    text += (
+                        f" (only the sharding tree has [{', '.join(only_p[:8])}], only x "
+                        f"has [{', '.join(only_f[:8])}])"
+                    )
+                elif p_names == f_names:
+                    # Same children: the node's own static data differs (a dataclass's
+                    # static field, say); one level of each treedef shows it, no values.
+                    text += f" whose node data differs: {p_def} against {f_def}"
+            return text
         # The first child that is not a prefix (there is one, or flattening would
         # have worked).
         for k, p_kid, f_kid in zip(p_keys, p_kids, f_kids, strict=True):

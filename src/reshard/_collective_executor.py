@@ -468,7 +468,8 @@ def run_collective(
                 avoid=plan.avoid_devices,
                 platform=_platform(shardings),
             )
-            agree(program, shardings)  # before caching: a mismatch raises again next call
+            if plan.crosses_processes:  # (within one process, others make no such call)
+                agree(program, shardings)  # before caching: a mismatch raises again next call
             plan._cache[key] = program
         if program.host_packed:
             return host_packed.run_host_packed(program, sources, shardings)

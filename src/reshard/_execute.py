@@ -141,9 +141,10 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     alias = aliases(plan, donate=donate, may_alias=may_alias)
     if not planned:
         moved: list[jax.Array] = []
-    elif plan.executor in ("host", "device") and jax.process_index() not in plan.processes:
+    elif not plan.crosses_processes and jax.process_index() not in plan.processes:
         # Another process holds every device of the plan and moves everything there
-        # (see Plan.crosses_processes): here the outputs hold no shard.
+        # (see Plan.crosses_processes), whatever the executor: here the outputs hold no
+        # shard.
         moved = [
             jax.make_array_from_single_device_arrays(v.shape, s, [], dtype=v.dtype)
             for v, s in zip(sources, dst_shardings, strict=True)
