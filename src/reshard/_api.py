@@ -593,7 +593,7 @@ def _build_plan(
         ) from None
     if executor == "auto":
         # (A plan within one process runs there alone, as jax.device_put does.)
-        if jax.process_count() > 1 and len(plan_processes(leaves, leaf_plans)) > 1:
+        if jax.process_count() > 1 and len(plan_processes(leaves)) > 1:
             executor = "collective"
         elif platforms <= {"cpu"}:
             executor = "host"

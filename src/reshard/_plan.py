@@ -41,15 +41,15 @@ class LeafInfo:
     data_dst_sharding: Sharding | None = None
 
 
-def plan_processes(leaves: Sequence[LeafInfo], leaf_plans: Sequence[LeafPlan]) -> frozenset[int]:
-    """The JAX processes holding a source or destination device of any leaf."""
-    found = {s.process for lp in leaf_plans for s in (*lp.spec.src, *lp.spec.dst)}
+def plan_processes(leaves: Sequence[LeafInfo]) -> frozenset[int]:
+    """The JAX processes holding a source or destination device of any leaf, read from
+    the live devices (a pickled plan's devices are this runtime's once loaded)."""
+    found: set[int] = set()
     for leaf in leaves:
-        if leaf.kind == HOST:
-            for sharding in (leaf.src_sharding, leaf.dst_sharding):
-                if sharding is not None:
-                    devices: Any = sharding.device_set
-                    found |= {d.process_index for d in devices}
+        for sharding in (leaf.src_sharding, leaf.dst_sharding):
+            if sharding is not None:
+                devices: Any = sharding.device_set
+                found |= {d.process_index for d in devices}
     return frozenset(found)
 
 
@@ -124,7 +124,7 @@ class Plan:
         """The JAX processes that hold a source or destination device of the plan."""
         found = self._cache.get("processes")
         if found is None:
-            found = self._cache["processes"] = plan_processes(self.leaves, self.leaf_plans)
+            found = self._cache["processes"] = plan_processes(self.leaves)
         return found
 
     @property
