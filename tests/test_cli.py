@@ -334,6 +334,7 @@ def test_plan_colours_only_on_a_terminal() -> None:
         *[(["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", f"--dtype={d}"],
            ["not a dtype", "bfloat16"])
           for d in (",8", "f4,f4", "object", "finfo", "S3", "M8[ns]", "V8", "float128", ">f4")],
+        (["--bogus"], ["unrecognized arguments: --bogus; name a command first"]),
         (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--src-memory-kind",
           "bogus"], ["--src-memory-kind", "invalid choice: 'bogus'", "pinned_host"]),
         (["plan", "--shape", "16", "--src-mesh", "100000x100000", "--dst-mesh", "2"],

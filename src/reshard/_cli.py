@@ -64,6 +64,11 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(self._args, namespace)
 
     def error(self, message: str) -> NoReturn:
+        flags = [a for a in self._args if a.startswith("-")]
+        if message.endswith("required: command") and flags:
+            # Flags before any command (`reshard --bogus`): say so, not only that the
+            # command is missing.
+            message = f"unrecognized arguments: {' '.join(flags)}; name a command first"
         message += self._dash_value_hint(message)
         raise UsageError(f"{message} (see '{self.prog} --help')", prog=self.prog)
 
