@@ -323,25 +323,35 @@ _LAUNCHER_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "term", "kill-9"]
+)
 @pytest.mark.parametrize("child", ["plain", "jax"])
 def test_no_orphans_when_the_launcher_itself_is_interrupted_or_killed(
     tmp_path: Path, sig: signal.Signals, child: str
 ) -> None:
     # "jax": the children initialised jax.distributed, whose preemption service would
     # otherwise swallow the SIGTERM that ends them.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     launcher = subprocess.Popen(
         [sys.executable, "-c", _LAUNCHER_SCRIPT, HERE, str(tmp_path), child],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     try:
         pids = _wait_pid_files(tmp_path, 2, within_s=30)
+        assert len(list(scratch.glob("reshard-launch-*"))) == 1
         launcher.send_signal(sig)
         launcher.wait(timeout=20)
-        # Children and grandchildren die with the launcher (SIGINT: its cleanup;
-        # SIGKILL: the parent-death signal, whose handler kills the process group).
+        # Children and grandchildren die with the launcher (SIGINT and SIGTERM: its
+        # cleanup; SIGKILL: the parent-death signal, whose handler kills the group).
         assert _wait_gone(pids, within_s=10) == []
+        if sig == signal.SIGTERM:  # ended by the signal, as without the cleanup
+            assert launcher.returncode == -signal.SIGTERM
+        if sig != signal.SIGKILL:  # nothing left on disk either
+            assert list(scratch.glob("reshard-launch-*")) == []
     finally:
         if launcher.poll() is None:
             launcher.kill()

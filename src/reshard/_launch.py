@@ -150,6 +150,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+class _Terminated(BaseException):
+    """A SIGTERM, raised in the launcher's main thread while it waits (see below)."""
+
+
+class _SigtermUnwinds:
+    """While ``launch_local`` runs: a SIGTERM to the launcher unwinds it (the children
+    are ended and its temporary directory removed, as on Ctrl-C), then ends the
+    process as the SIGTERM would have. Only where Python's default action stands and in
+    the main thread (the only one that may set handlers); elsewhere the children still
+    die with the launcher (their parent-death signal), but the directory stays."""
+
+    def __enter__(self) -> None:
+        self.active = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        )
+        if self.active:
+            signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        if self.active:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if kind is _Terminated:
+                os.kill(os.getpid(), signal.SIGTERM)  # now the default action: the end
+
+
 def launch_local(
     target: str,
     num_processes: int = 2,
@@ -244,7 +274,9 @@ def launch_local(
         ) from e
 
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="reshard-launch-") as tmp:
+    # (Entered in order, left in reverse: the directory is gone before a SIGTERM
+    # ends this process.)
+    with _SigtermUnwinds(), tempfile.TemporaryDirectory(prefix="reshard-launch-") as tmp:
         workdir = Path(tmp)
         procs: list[subprocess.Popen[bytes]] = []
         files: list[tuple[Path, Path, Path]] = []
