@@ -167,8 +167,10 @@ def plan(
         ``jax.device_put``).
       sharding: a ``Sharding`` (or ``jax.Device``) or a pytree of them that is a tree
         prefix of ``x``.
-      executor: ``"auto"`` picks ``"collective"`` when JAX runs several processes,
-        ``"host"`` when every device is a CPU, else ``"device"``.
+      executor: ``"auto"`` picks ``"collective"`` when JAX runs several processes
+        and the plan's devices belong to more than one of them
+        (``Plan.crosses_processes``), else ``"host"`` when every device is a CPU, else
+        ``"device"``.
       avoid_devices: devices (or device ids) never to read from.
       cache: look the plan up in / store it into the bounded plan cache. A pytree
         whose node metadata has no plain ``==`` (a numpy array, say) is planned
