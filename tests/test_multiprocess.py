@@ -248,6 +248,43 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             assert "runs in one process, but this plan's devices belong to processes" in str(e)
         move(a, ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t")))
 
+    def a_local_call_in_another_thread_leaves_the_count_alone() -> None:
+        # Process 0 plans a reshard within its own devices in a thread, held inside its
+        # planning, while every process makes a collective reshard: a count raised for
+        # the local call, even for a moment (counted, then taken back), showed process
+        # 0 out of step and failed that collective reshard on every process.
+        import threading
+
+        from reshard import _api
+
+        mine = np.array([d for d in devs if d.process_index == me])
+        inside, release = threading.Event(), threading.Event()
+        build = _api._build_plan
+
+        def held(*args: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                inside.set()
+                release.wait(60)
+            return build(*args)
+
+        def local() -> None:
+            x = make(a, ns(mine, ("f",), P("f")))
+            dst = ns(mine[::-1], ("t",), P(None, "t"))
+            check(reshard.reshard(x, dst), a, dst)
+
+        thread = threading.Thread(target=local)
+        _api._build_plan = held
+        try:
+            if me == 0:
+                thread.start()
+                assert inside.wait(60)
+            move(a, ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t")))
+        finally:
+            release.set()
+            if me == 0:
+                thread.join(60)
+            _api._build_plan = build
+
     def memory_kinds() -> None:
         move(
             a,
@@ -694,6 +731,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         a_process_failing_mid_reshard_fails_every_process,
         a_process_failing_after_the_transfer_fails_alone,
         within_one_process,  # (whatever the packing: run once per layout)
+        a_local_call_in_another_thread_leaves_the_count_alone,
     )
     device_only = (
         a_process_failing_before_the_program_fails_every_process,
@@ -910,6 +948,7 @@ SCENARIOS = [
 # Failures part-way through: the host-packed schedule's filler stages and status.
 HOST_SCENARIOS = [
     "within_one_process",
+    "a_local_call_in_another_thread_leaves_the_count_alone",
     "a_process_failing_mid_reshard_fails_every_process",
     "a_process_failing_after_the_transfer_fails_alone",
 ]

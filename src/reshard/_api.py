@@ -107,7 +107,9 @@ def reshard(
       >>> bool(np.array_equal(y, x))  # compared on the host: x and y use other devices
       True
     """
-    _collective_common.count_call()  # before anything can fail (see count_call)
+    # Counted (see count_call) only once it is known to be a collective call, never
+    # counted and taken back: a call within one process, made in another thread while
+    # a collective reshard reads the count, would show this process out of step.
     try:
         p = plan(
             x,
@@ -116,12 +118,12 @@ def reshard(
             avoid_devices=avoid_devices,
             cache=cache_resharding_plans,
         )
-    except Exception:
-        if not _may_cross_processes(x, sharding):
-            _collective_common.uncount_call()  # a call within one process, refused
+    except BaseException:
+        if _may_cross_processes(x, sharding):
+            _collective_common.count_call()  # a collective call, refused
         raise
-    if not p.crosses_processes:
-        _collective_common.uncount_call()  # not a collective call after all
+    if p.crosses_processes:
+        _collective_common.count_call()  # before anything else can fail
     return execute_plan(p, x, donate=donate, may_alias=may_alias)
 
 

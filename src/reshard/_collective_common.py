@@ -198,13 +198,6 @@ def count_call() -> None:
     _calls_started += 1
 
 
-def uncount_call() -> None:
-    """Takes back ``count_call`` for a call whose plan turned out to stay within one
-    process (``Plan.crosses_processes``): no collective, so the others make no such call."""
-    global _calls_started
-    _calls_started -= 1
-
-
 def status_input(program: Any, failed: bool) -> jax.Array:
     """This process's status, to be summed over the union mesh (``psum``): per process,
     one entry that only it writes (on its first device of the union; the rest write
