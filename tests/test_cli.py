@@ -335,6 +335,8 @@ def test_plan_colours_only_on_a_terminal() -> None:
            ["not a dtype", "bfloat16"])
           for d in (",8", "f4,f4", "object", "finfo", "S3", "M8[ns]", "V8", "float128", ">f4")],
         (["--bogus"], ["unrecognized arguments: --bogus; name a command first"]),
+        (["--devices", "4", "demo"],
+         ["unrecognized arguments: --devices; name a command first, then its flags"]),
         (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--src-memory-kind",
           "bogus"], ["--src-memory-kind", "invalid choice: 'bogus'", "pinned_host"]),
         (["plan", "--shape", "16", "--src-mesh", "100000x100000", "--dst-mesh", "2"],
