@@ -128,8 +128,9 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     if jax.process_count() > 1 and plan.executor != "collective" and plan.crosses_processes:
         raise ValueError(
             f"the {plan.executor!r} executor runs in one process, but this plan's devices "
-            f"belong to processes {sorted(plan.processes)}; use executor='collective' (or "
-            "'auto')"
+            f"belong to processes {sorted(plan.processes)}; plan again here with "
+            "reshard.plan(x, sharding) and executor='collective' or 'auto' (a loaded plan "
+            "keeps the executor it was built with)"
         )
 
     planned = [(i, leaf) for i, leaf in enumerate(plan.leaves) if leaf.kind != HOST]
