@@ -114,6 +114,15 @@ def _target_spawn_and_sleep(pid_dir: str) -> None:
     time.sleep(300)
 
 
+def _target_spawn_stubborn_and_exit(pid_dir: str) -> None:
+    """Leaves behind a grandchild that ignores SIGTERM, then exits 0 at once."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    grandchild = subprocess.Popen([sys.executable, "-c", code])
+    time.sleep(0.5)  # let it ignore SIGTERM before we go
+    me = os.environ["RESHARD_PROCESS_ID"]
+    Path(pid_dir, f"{me}.json").write_text(json.dumps([grandchild.pid]))
+
+
 # --- helpers -----------------------------------------------------------------------
 
 
@@ -309,6 +318,31 @@ def test_no_orphans_after_timeout_including_grandchildren(tmp_path: Path) -> Non
     pids = _wait_pid_files(tmp_path, 2, within_s=1)
     assert len(pids) == 4
     assert _wait_gone(pids, within_s=5) == []
+
+
+@pytest.mark.timeout(60)
+def test_no_orphans_when_a_grandchild_ignores_sigterm_and_the_children_succeed(
+    tmp_path: Path,
+) -> None:
+    # Every child exits 0, so no child is left to kill: the grandchildren in their
+    # process groups still get the SIGKILL once SIGTERM's grace is over.
+    results = launch_local(
+        f"{HERE}:_target_spawn_stubborn_and_exit",
+        2,
+        1,
+        args=[str(tmp_path)],
+        initialize=False,
+        timeout_s=30,
+    )
+    assert [r.returncode for r in results] == [0, 0]
+    pids = _wait_pid_files(tmp_path, 2, within_s=1)
+    assert len(pids) == 2
+    try:
+        assert _wait_gone(pids, within_s=2) == []
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 _LAUNCHER_SCRIPT = textwrap.dedent(

@@ -386,23 +386,62 @@ def _end_all(procs: Sequence[subprocess.Popen[bytes]], ended_at: dict[int, float
 
     SIGTERM first so a child may flush its output; SIGKILL because a process blocked in
     a native collective (gloo) may never act on SIGTERM. Groups whose leader already
-    exited still get the signals, which reaps anything the child left behind.
+    exited still get the signals, which reaps anything the child left behind: a
+    grandchild that outlives the SIGTERM's grace (it ignores or handles SIGTERM) gets
+    the SIGKILL too, even when every child has exited.
     """
+    groups = [p.pid for p in procs]
     for sig, wait_s in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, 5.0)):
         live = [p for p in procs if p.poll() is None]
-        for p in procs:
+        for pgid in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, sig)
+                os.killpg(pgid, sig)
         t_end = time.monotonic() + wait_s
         for p in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.0, t_end - time.monotonic()))
-        if all(p.poll() is not None for p in procs):
+        # Grandchildren are not ours to wait for: poll their groups until the grace ends.
+        while _groups_alive(groups) and time.monotonic() < t_end:
+            time.sleep(_POLL_S)
+        if all(p.poll() is not None for p in procs) and not _groups_alive(groups):
             break
     now = time.monotonic()
     for pid, p in enumerate(procs):
         if p.poll() is not None:
             ended_at.setdefault(pid, now)
+
+
+def _groups_alive(pgids: Sequence[int]) -> bool:
+    """Whether a process that is not a zombie is left in any of the groups ``pgids``.
+
+    On Linux read from ``/proc`` (a zombie waiting for its reaper is no process left to
+    end); elsewhere ``killpg(pgid, 0)``, which also counts zombies.
+    """
+    wanted = set(pgids)
+    if not wanted:
+        return False
+    proc = Path("/proc")
+    if proc.is_dir() and Path("/proc/self/stat").exists():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            # After the command: state, ppid, pgrp, ...
+            if fields[0] != "Z" and int(fields[2]) in wanted:
+                return True
+        return False
+    for pgid in wanted:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        return True
+    return False
 
 
 def _failure_message(target: str, results: list[ProcessResult], timeout_s: float) -> str:
