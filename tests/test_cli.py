@@ -464,6 +464,22 @@ def test_an_unwritable_stdout_is_a_failure_with_a_message() -> None:
     assert "Traceback" not in res.stderr, res.stderr
 
 
+def test_a_closed_stdout_is_a_failure_with_a_message() -> None:
+    """Started with stdout closed (`reshard plan ... >&-`): exit 1 and one line, as for
+    a full disk, not an AttributeError traceback."""
+    args = ["plan", "--shape", "48,64", "--src-mesh", "8", "--dst-mesh", "6"]
+    res = subprocess.run(
+        ["sh", "-c", 'exec "$0" -m reshard "$@" >&-', sys.executable, *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("reshard plan: error: cannot write standard output: ")
+    assert "Traceback" not in res.stderr, res.stderr
+
+
 def test_plan_of_exabytes_counts_past_int64() -> None:
     """An array of 2**67 bytes: the matrix cell does not fit int64, the report is exact."""
     args = ("plan", "--shape", "4294967296,4294967296", "--dtype", "float64",

@@ -248,6 +248,8 @@ class _ReaderMayLeave:
         self._gone = False
 
     def write(self, text: str) -> int:
+        if self._stream is None and text:  # started with stdout closed (`>&-`)
+            raise OutputLost("standard output is closed")
         if not self._gone:
             try:
                 self._stream.write(text)
@@ -259,7 +261,7 @@ class _ReaderMayLeave:
         return len(text)
 
     def flush(self) -> None:
-        if not self._gone:
+        if not self._gone and self._stream is not None:
             try:
                 self._stream.flush()
             except BrokenPipeError:
