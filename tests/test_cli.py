@@ -553,6 +553,24 @@ def test_bench_runs_a_suite_and_prints_its_ratios(tmp_path: Path) -> None:
     assert "2.50x" in res.stdout and "2.0 ms" in res.stdout and "1.0 MiB" in res.stdout
 
 
+@pytest.mark.parametrize(
+    "args", [("--reps", "0"), ("--size-mb", "-4"), ("--size-mb", "nan"), ("--scenarios", ",")]
+)
+def test_benchmarks_bench_py_rejects_bad_values_without_a_traceback(args: tuple[str, ...]) -> None:
+    """``python benchmarks/bench.py`` (the suite's own entry point) has the limits of
+    ``reshard bench``: exit 2 and one message, not a StatisticsError or TypeError."""
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench.py"), "--no-rss", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and "error:" in res.stderr, res.stderr
+
+
 @pytest.mark.parametrize("module", ["no_such_bench_module_xyz", "no_such_package_xyz.bench"])
 def test_bench_without_a_suite_exits_2(module: str) -> None:
     res = run_cli("bench", RESHARD_BENCH_MODULE=module)

@@ -389,14 +389,19 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    ap.add_argument("--size-mb", type=float, default=300)
-    ap.add_argument("--reps", type=int, default=5)
+    from ._cli import positive_int, size_mb
+
+    # The same limits as `reshard bench`: no traceback for --reps 0 or --size-mb -4.
+    ap.add_argument("--size-mb", type=size_mb, default=300)
+    ap.add_argument("--reps", type=positive_int, default=5)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    names = tuple(s for s in a.scenarios.split(",") if s)
+    names = tuple(s.strip() for s in a.scenarios.split(",") if s.strip())
     bad = [s for s in names if s not in SCENARIOS]
+    if not names:
+        ap.error(f"--scenarios names no scenario; choose from {','.join(SCENARIOS)}")
     if bad:
         ap.error(f"unknown scenario(s) {bad}; choose from {','.join(SCENARIOS)}")
     setup_devices(8)
