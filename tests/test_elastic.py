@@ -702,6 +702,18 @@ def test_manager_argument_errors():
     em.mark_lost([1])
     with pytest.raises(ValueError, match=r"every one of the 1 slice\(s\)"):
         em.apply(simple_state(em.full_mesh))
+    # One size, a 0-d array of ids, one id for DeviceLossError: clear errors, not
+    # "'int' object is not iterable" or "iteration over a 0-d array".
+    with pytest.raises(ValueError, match=r"allowed_sizes must be a collection .* got int: 2"):
+        reshard.ElasticManager(full, "data", allowed_sizes=2)
+    with pytest.raises(ValueError, match=r"allowed_sizes must be a collection .* got int: 1"):
+        reshard.shrink_mesh(full, [4], "data", allowed_sizes=1)
+    with pytest.raises(TypeError, match=r"expected a list of devices .*pass \[device\]"):
+        reshard.shrink_mesh(full, np.array(4), "data")
+    with pytest.raises(TypeError, match=r"grow_mesh: expected a list of devices .*ndarray"):
+        reshard.grow_mesh(reshard.shrink_mesh(full, [4], "data"), np.array(4), "data")
+    with pytest.raises(TypeError, match=r"DeviceLossError: expected a list of devices .* int: 4"):
+        reshard.DeviceLossError(4)
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ class DeviceLossError(RuntimeError):
     """
 
     def __init__(self, devices: Iterable[Any], message: str | None = None) -> None:
-        self.devices = frozenset(device_id(d) for d in devices)
+        self.devices = frozenset(device_id(d) for d in _listed(devices, "DeviceLossError"))
         super().__init__(message or f"devices {sorted(self.devices)} lost")
 
 

@@ -85,7 +85,11 @@ def axis_position(axis_names: Sequence[Any], axis: Any, where: str) -> int:
 
 def _listed(devices: Iterable[Any], where: str = "") -> Iterable[Any]:
     """``devices`` itself, once checked to be a collection and not one device or id."""
-    if isinstance(devices, str | bytes) or not isinstance(devices, Iterable):
+    if (
+        isinstance(devices, str | bytes)
+        or not isinstance(devices, Iterable)
+        or (isinstance(devices, np.ndarray) and devices.ndim == 0)
+    ):
         raise TypeError(
             f"{where + ': ' if where else ''}expected a list of devices or device ids, got "
             f"{type(devices).__name__}: {devices!r} (for one device, pass [device])"
@@ -101,6 +105,11 @@ def check_allowed_sizes(allowed_sizes: Iterable[int] | None, where: str) -> tupl
     """``allowed_sizes`` as a sorted tuple of distinct sizes, each an integer >= 1."""
     if allowed_sizes is None:
         return None
+    if isinstance(allowed_sizes, str | bytes) or not isinstance(allowed_sizes, Iterable):
+        raise ValueError(
+            f"{where}: allowed_sizes must be a collection of integer sizes >= 1 of the axis, "
+            f"e.g. (1, 2, 4); got {type(allowed_sizes).__name__}: {allowed_sizes!r}"
+        )
     sizes = list(allowed_sizes)
     bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int | np.integer) or s < 1]
     if bad or not sizes:
