@@ -673,6 +673,23 @@ def test_manager_data_loss_leaves_everything_as_it_was():
     np.testing.assert_array_equal(np.asarray(state["opt"]), np.arange(16.0))
 
 
+def test_manager_grows_back_to_the_full_mesh_whatever_allowed_sizes_lists():
+    # allowed_sizes=(1, 2, 4) on data=8 (say, copied from the docs): the manager starts
+    # at 8; once every device is back it must return there, not idle half the devices.
+    full = mesh_of((8, 1), ("data", "fsdp"))
+    em = reshard.ElasticManager(full, "data", allowed_sizes=(1, 2, 4))
+    assert em.allowed_sizes == (1, 2, 4, 8)
+    state = jax.device_put(np.arange(8.0), NamedSharding(full, P()))
+    em.mark_lost([7])
+    state = em.apply(state)
+    assert dict(em.mesh.shape) == {"data": 4, "fsdp": 1}
+    em.mark_returned([7])
+    state = em.apply(state)
+    assert dict(em.mesh.shape) == {"data": 8, "fsdp": 1}
+    assert em.inactive_devices == ()
+    np.testing.assert_array_equal(np.asarray(state), np.arange(8.0))
+
+
 def test_manager_argument_errors():
     full = mesh_of((2, 4), ("data", "fsdp"))
     with pytest.raises(ValueError, match=r"axis 'dp' is not an axis of the mesh"):

@@ -263,7 +263,8 @@ class ElasticManager:
       axis: the mesh axis whose slices may be dropped (the data-parallel axis).
       max_retries: how many device-loss failures one ``run_step`` absorbs before
         giving up with ``RuntimeError``.
-      allowed_sizes: sizes the axis may take (see ``shrink_mesh``).
+      allowed_sizes: sizes the axis may take (see ``shrink_mesh``); the full mesh's
+        size is always allowed (the manager starts there and grows back to it).
       error_parser: maps an exception to the ids of lost devices (empty: not a device
         loss, re-raised); default ``parse_lost_devices``.
       donate: free the old state's buffers after each successful recovery.
@@ -304,7 +305,12 @@ class ElasticManager:
         self.full_mesh = mesh
         self.axis = axis
         self.max_retries = int(retries)
-        self.allowed_sizes = check_allowed_sizes(allowed_sizes, "ElasticManager")
+        sizes = check_allowed_sizes(allowed_sizes, "ElasticManager")
+        if sizes is not None:
+            # The manager starts on the full mesh, so its size is allowed too: without
+            # it, a mesh that shrank would never grow back to where it started.
+            sizes = tuple(sorted({*sizes, int(mesh.shape[axis])}))
+        self.allowed_sizes = sizes
         self.error_parser = error_parser
         self.donate = donate
         self.events: list[ElasticEvent] = []
