@@ -417,6 +417,13 @@ def test_bad_arguments_are_rejected_with_the_value() -> None:
             launch_local("x:y", num_processes=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="target names what to run, as text.*got builtin"):
         launch_local(print)  # type: ignore[arg-type]
+    for bad in ("5", True):
+        with pytest.raises(ValueError, match=rf"as numbers; got .*'timeout_s': {bad!r}"):
+            launch_local("x:y", timeout_s=bad)  # type: ignore[arg-type]
+    # A string would be split into characters, a dict into its keys.
+    for bad in ("abc", {"a": 1}, 3):
+        with pytest.raises(ValueError, match="as a list or tuple; got"):
+            launch_local("x:y", args=bad)  # type: ignore[arg-type]
 
 
 def test_initialize_from_env_outside_a_launch_says_how_to_fix(

@@ -59,8 +59,8 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
-from numbers import Integral
+from collections.abc import Iterable, Mapping, Sequence
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +211,8 @@ def launch_local(
         num_processes: how many processes (>= 1).
         devices_per_process: simulated CPU devices per process (>= 1).
         timeout_s: hard limit for the whole launch; then every process is killed.
-        args: arguments for the target (JSON-serialisable for function targets).
+        args: positional arguments for the target, a list or tuple (JSON-serialisable
+            for function targets).
         env: extra environment variables for the children (override the defaults,
             e.g. ``{"JAX_PLATFORMS": "cuda"}``).
         initialize: call :func:`initialize_from_env` before the target. Pass False when
@@ -249,6 +250,11 @@ def launch_local(
             f"integers; got num_processes={num_processes!r}, "
             f"devices_per_process={devices_per_process!r}."
         )
+    limits = {"timeout_s": timeout_s, "peer_failure_grace_s": peer_failure_grace_s}
+    if any(isinstance(v, bool) or not isinstance(v, Real) for v in limits.values()):
+        raise ValueError(
+            f"launch_local needs timeout_s and peer_failure_grace_s as numbers; got {limits}."
+        )
     if not timeout_s > 0 or not peer_failure_grace_s >= 0:  # NaN fails both
         raise ValueError(
             "launch_local needs timeout_s > 0 and peer_failure_grace_s >= 0; got "
@@ -264,6 +270,11 @@ def launch_local(
         raise ValueError(
             "launch_local needs init_timeout_s, heartbeat_timeout_s and shutdown_timeout_s "
             f"as whole seconds >= 1 (jax.distributed takes ints); got {seconds}."
+        )
+    if isinstance(args, str | bytes | Mapping) or not isinstance(args, Iterable):
+        raise ValueError(
+            "launch_local args are the target's positional arguments, as a list or tuple; "
+            f"got {type(args).__name__}: {args!r} (for one argument, pass [value])"
         )
     try:
         args_json = json.dumps(list(args))
