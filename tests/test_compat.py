@@ -166,6 +166,7 @@ def test_every_private_hook_is_found_on_this_jax():
         "_batched_copy",
         "_ALWAYS_COPY",
         "_backends_are_initialized",
+        "_is_default_layout",
     ]
     assert [h for h in hooks if getattr(_compat, h) is None] == []
 
@@ -186,3 +187,42 @@ def test_donating_identity_hands_buffers_over_and_keeps_few_programs(monkeypatch
         assert x.is_deleted() and pointers(y) == before
         check_result(y, truth, s)
         assert _programs.size() == min(n, 2)  # its program is in the bounded cache
+
+
+# Sources in a custom layout (jax 0.10, CPU): copied to other devices by PjRt, such a
+# buffer is misread by compiled programs, and an array put together from buffers of
+# two layouts is read in the layout of its first. Each destination below once gave
+# wrong values through some executor (``shrink`` even to numpy), and every one of
+# them later wrong values in a jitted computation.
+LAYOUT_DESTINATIONS = {
+    "same": (range(4), P("x")),
+    "shrink": (range(2), P("x")),
+    "partly kept": (range(8), P("x")),
+    "other devices": (range(4, 8), P("x")),
+}
+
+
+@pytest.mark.parametrize("executor", ["host", "device", "collective"])
+@pytest.mark.parametrize("where", list(LAYOUT_DESTINATIONS))
+@pytest.mark.parametrize("donate", [False, True])
+def test_sources_in_a_custom_layout_move_exactly(private, executor, where, donate):
+    from jax._src.layout import Format, Layout
+
+    truth = np.arange(8 * 16 * 4, dtype=np.float32).reshape(8, 16, 4)
+    truth.view(np.uint32)[0, 0, 0] = 0x7FC01234  # a NaN with a payload
+    src = NamedSharding(Mesh(np.array(DEVS[:4]), ("x",)), P("x"))
+    transposed = Format(Layout(major_to_minor=(0, 2, 1)), src)
+    x = jax.jit(lambda a: a, out_shardings=transposed)(place(truth, src))
+    assert x.format.layout.major_to_minor == (0, 2, 1)
+    ids, spec = LAYOUT_DESTINATIONS[where]
+    devices = np.array([DEVS[i] for i in ids])
+    if len(devices) == 8:
+        dst = NamedSharding(Mesh(devices.reshape(2, 4), ("y", "x")), spec)
+    else:
+        dst = NamedSharding(Mesh(devices, ("x",)), spec)
+    for may_alias in (None, True, False):
+        x = jax.jit(lambda a: a, out_shardings=transposed)(place(truth, src))
+        y = reshard.reshard(x, dst, executor=executor, donate=donate, may_alias=may_alias)
+        check_result(y, truth, dst)
+        computed = np.asarray(jax.jit(lambda a: a + 0)(y))
+        np.testing.assert_array_equal(computed[1:], truth[1:] + 0)

@@ -137,6 +137,14 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     sources = [
         jax.random.key_data(values[i]) if leaf.kind == KEY else values[i] for i, leaf in planned
     ]
+    # Buffers in a custom layout are copied into the default one first (see
+    # ``_compat.in_default_layout``): each array once, however many leaves it is.
+    relaid: dict[int, jax.Array] = {}
+    for j, src in enumerate(sources):
+        fixed = relaid.get(id(src))
+        if fixed is None:
+            fixed = relaid[id(src)] = _compat.in_default_layout(src)
+        sources[j] = fixed
     dst_shardings = [_moved_sharding(leaf) for _, leaf in planned]
 
     alias = aliases(plan, donate=donate, may_alias=may_alias)
