@@ -102,3 +102,29 @@ def test_a_plan_loads_in_another_process_with_the_same_devices(tmp_path: Path) -
         assert res.returncode == 0, res.stderr
         assert res.stdout.startswith(expect), res.stdout
     assert "plan again here with reshard.plan" in res.stdout
+
+
+def test_a_plan_copies_without_pickling_its_tree() -> None:
+    # A plan is immutable: copy.deepcopy needs no pickle, so a pytree class defined
+    # in a function (which pickle refuses) copies too.
+    import dataclasses
+
+    def local_class() -> type:
+        @jax.tree_util.register_dataclass
+        @dataclasses.dataclass
+        class Params:
+            w: object
+
+        return Params
+
+    params = local_class()
+    x, dst, truth = _case()
+    tree = params(x["w"])
+    plan = reshard.plan(tree, dst["w"])
+    with pytest.raises(AttributeError):  # pickle itself refuses the class
+        pickle.dumps(plan)
+    for copied in (copy.deepcopy(plan), copy.copy(plan)):
+        assert copied is not plan and not copied._cache
+        assert copied.leaves == plan.leaves and copied.stats == plan.stats
+        assert copied.stats.send_bytes is not plan.stats.send_bytes
+        check_result(copied.execute(tree).w, truth["w"], dst["w"])

@@ -213,6 +213,25 @@ class Plan:
         _DevicesById(out, protocol=pickle.HIGHEST_PROTOCOL).dump(fields)
         return _load_plan, (out.getvalue(),)
 
+    def __copy__(self) -> Plan:
+        return self.__deepcopy__({})
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Plan:
+        """A new plan with the same content and no compiled programs, without pickling:
+        a plan is immutable (its statistics' dictionaries are copied), its devices are
+        this process's own, and its tree structure may hold what pickle cannot (a
+        locally defined pytree class, say)."""
+        import copy
+
+        return Plan(
+            self.treedef,
+            self.leaves,
+            self.leaf_plans,
+            copy.deepcopy(self.stats, memo),
+            self.executor,
+            self.avoid_devices,
+        )
+
     def __str__(self) -> str:
         s = self.stats
         n_planned = len(self.leaf_plans)
