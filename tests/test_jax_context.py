@@ -137,3 +137,15 @@ def test_tracers_are_refused_with_the_leaf_and_what_to_do(who: str) -> None:
     ):
         jax.jit(lambda w: plan.execute({"w": w, "step": 3}))(params["w"])
     assert not params["w"].is_deleted()
+
+
+def test_split_and_concatenate_refuse_tracers_by_name() -> None:
+    x = place(np.ones((8, 16), np.float32), NamedSharding(WORLD, P("data")))
+    with pytest.raises(
+        jax.errors.ConcretizationTypeError, match=r"arrays\['w'\] is a tracer: split_by_mesh"
+    ):
+        jax.jit(lambda w: reshard.split_by_mesh_axis({"w": w}, "data"))(x)
+    parts = reshard.split_by_mesh_axis(x, "data")
+    with pytest.raises(jax.errors.ConcretizationTypeError, match=r"is a tracer"):
+        jax.jit(lambda a, b: reshard.concatenate_by_mesh_axis([a, b], "data"))(*parts)
+    assert not x.is_deleted()

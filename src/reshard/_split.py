@@ -93,6 +93,14 @@ def _flatten_named(tree: Any, what: str) -> tuple[list[str], list[Leaf], Any]:
     paths, leaves = [], []
     for path, leaf in with_paths:
         where = f"{what}{jax.tree_util.keystr(path)}"
+        if isinstance(leaf, jax.core.Tracer):
+            # (Its .sharding would raise an AttributeError that names no leaf.)
+            raise jax.errors.ConcretizationTypeError(
+                leaf,
+                f"{where} is a tracer: split_by_mesh_axis and concatenate_by_mesh_axis "
+                "hand over the shards of concrete arrays and cannot be traced (jax.jit, "
+                "vmap, grad, shard_map...). Call them outside the traced function.",
+            )
         if not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
             raise ValueError(
                 f"{where} is a {type(leaf).__name__}, expected a jax.Array with a "
