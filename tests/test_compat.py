@@ -223,6 +223,7 @@ def test_sources_in_a_custom_layout_move_exactly(private, executor, where, donat
     for may_alias in (None, True, False):
         x = jax.jit(lambda a: a, out_shardings=transposed)(place(truth, src))
         y = reshard.reshard(x, dst, executor=executor, donate=donate, may_alias=may_alias)
+        assert x.is_deleted() == donate  # the input itself, not its default-layout copy
         check_result(y, truth, dst)
         computed = np.asarray(jax.jit(lambda a: a + 0)(y))
         np.testing.assert_array_equal(computed[1:], truth[1:] + 0)

@@ -251,6 +251,8 @@ def in_default_layout(x: jax.Array) -> jax.Array:
     sharding = x.sharding
     if sharding.memory_kind not in (None, "device") or x.size == 0:
         return x
+    if not sharding.is_fully_addressable and not sharding.addressable_devices:
+        return x  # another process's array: its program is theirs to run
     try:
         # (The buffers' own layout is read first: ~0.2 us, against ~1.2 us for
         # ``x.format``, and this runs for every array of every call.)
