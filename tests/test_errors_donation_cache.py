@@ -106,6 +106,11 @@ def test_prefix_error_names_what_differs_where_types_agree():
         ValueError, match=r"only the sharding tree has \['extra'\], only x has \['k11'\]"
     ):
         reshard.reshard(many, shardings)
+    # Keys on one side only: the other side is not listed as having none.
+    fewer = {k: sharding([4, 5]) for k in list(many)[:11]}
+    with pytest.raises(ValueError, match=r"\(only x has \['k11'\]\)") as info:
+        reshard.reshard(many, fewer)
+    assert "only the sharding tree" not in str(info.value)
 
 
 def test_prefix_error_prints_no_values():

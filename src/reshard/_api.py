@@ -281,10 +281,12 @@ def _prefix_mismatch(prefix: Any, full: Any) -> str:
                 only_p = [k for k in p_names if k not in f_names]
                 only_f = [k for k in f_names if k not in p_names]
                 if (only_p or only_f) and not isinstance(prefix, list | tuple):
-                    text += (
-                        f" (only the sharding tree has [{', '.join(only_p[:8])}], only x "
-                        f"has [{', '.join(only_f[:8])}])"
-                    )
+                    sides = [
+                        f"only {side} has [{', '.join(keys[:8])}]"
+                        for side, keys in (("the sharding tree", only_p), ("x", only_f))
+                        if keys
+                    ]
+                    text += f" ({', '.join(sides)})"
                 elif p_names == f_names:
                     # Same children: the node's own static data differs (a dataclass's
                     # static field, say); one level of each treedef shows it, no values.
