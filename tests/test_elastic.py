@@ -749,6 +749,14 @@ def test_manager_argument_errors():
         (RuntimeError("RESOURCE_EXHAUSTED: out of memory on device 3, allocation failed"), set()),
         (RuntimeError("INTERNAL: compilation failed"), set()),
         (RuntimeError("device 3 is fine"), set()),
+        # Errors that name a device without losing it.
+        (RuntimeError("INTERNAL: during compilation for device 0: bad HLO"), set()),
+        (RuntimeError("INTERNAL: Failed to allocate 4096 bytes on device 0"), set()),
+        (RuntimeError("INTERNAL: cuda 12 error: driver too old"), set()),
+        (RuntimeError("INTERNAL: cuda:3 uncorrectable ECC error"), {3}),
+        # A bracketed list of the devices an operation ran on counts no more than a bare one.
+        (RuntimeError("ABORTED: all-gather over devices [0, 1, 2, 3]: device 2 halted"), {2}),
+        (RuntimeError("UNAVAILABLE: across devices (4, 5): TPU_5 heartbeat timed out"), {5}),
         (ValueError("UNAVAILABLE device 3 lost"), set()),
     ],
 )

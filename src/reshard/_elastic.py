@@ -128,19 +128,26 @@ _FAILURE = re.compile(
     r"\blost\b|halted|hardware|uncorrectable|\bECC\b|\bXid\b|device.{0,40}fail|fail.{0,40}device",
     re.IGNORECASE,
 )
-_NOT_LOSS = re.compile(r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b", re.IGNORECASE)
+# Compilation and allocation failures name a device too, but lose none.
+_NOT_LOSS = re.compile(
+    r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b|\bcompil(?:e|ing|ation)\b|\ballocat(?:e|ion)\b",
+    re.IGNORECASE,
+)
 # "devices [4, 5]", "device ids (4, 5)"; without brackets only after "device ids":
 # "device ids: 4, 5". A bare "devices 0, 1, 2, 3" more often lists the devices an
 # operation ran on than those that failed ("all-reduce over devices 0, 1, 2, 3
-# failed: device 2 halted"), so it does not count.
+# failed: device 2 halted"), so it does not count; nor does a list after "over",
+# "across" or "among" ("all-gather over devices [0, 1, 2, 3] aborted").
 _ID_LIST = re.compile(
     r"\bdevices?[ _]?(?:ids?)?\s*[:=]?\s*[\[(]\s*(\d+(?:\s*,\s*\d+)*)\s*[\])]"
     r"|\bdevice[ _]ids\s*[:=]?\s*(\d+(?:\s*,\s*\d+)*)\b",
     re.I,
 )
-# "device 3", "device_id=3", "Device(id=3", "TPU_3", "TpuDevice(id=3", "gpu:3", "cuda 3"
+_OPERATION_LIST = re.compile(r"\b(?:over|across|among)\s+$", re.IGNORECASE)
+# "device 3", "device_id=3", "Device(id=3", "TPU_3", "TpuDevice(id=3", "gpu:3", "cuda:3"
+# ("cuda 12" is more often a CUDA version than a device: cuda needs its separator)
 _ID_ONE = re.compile(
-    r"(?:\bdevice[ _]?(?:id|ordinal)?|\bTPU|\bGPU|\bcuda)\s*[:=#_]?\s*(\d+)\b"
+    r"(?:\bdevice[ _]?(?:id|ordinal)?|\bTPU|\bGPU)\s*[:=#_]?\s*(\d+)\b|\bcuda\s*[:#_]\s*(\d+)\b"
     r"|\w*Device\(id=(\d+)",
     re.IGNORECASE,
 )
@@ -153,8 +160,9 @@ def parse_lost_devices(error: BaseException) -> frozenset[int]:
     ``JaxRuntimeError`` is one) counts when its message has a failure status or word
     (``UNAVAILABLE``, ``DATA_LOSS``, ``INTERNAL``, "heartbeat", "unhealthy", "lost",
     "hardware", "ECC", "Xid", "device ... failed", ...) and names devices ("device 3",
-    "devices [4, 5]", "TPU_3", "CudaDevice(id=3)", "gpu:3"); out-of-memory errors never
-    count. Runtimes word these errors differently: pass your own parser to
+    "devices [4, 5]", "TPU_3", "CudaDevice(id=3)", "gpu:3"); out-of-memory, compilation
+    and allocation errors never count, nor does a list of the devices an operation ran
+    on ("over devices [0, 1, 2, 3]"). Runtimes word these errors differently: pass your own parser to
     ``ElasticManager`` when yours does not match (local GPU ordinals equal global ids
     only in single-process runs).
 
@@ -177,9 +185,10 @@ def parse_lost_devices(error: BaseException) -> frozenset[int]:
         return frozenset()
     ids: set[int] = set()
     for m in _ID_LIST.finditer(text):
-        ids.update(int(i) for i in (m.group(1) or m.group(2)).split(","))
+        if not _OPERATION_LIST.search(text, 0, m.start()):
+            ids.update(int(i) for i in (m.group(1) or m.group(2)).split(","))
     for m in _ID_ONE.finditer(text):
-        ids.add(int(m.group(1) or m.group(2)))
+        ids.add(int(next(g for g in m.groups() if g is not None)))
     return frozenset(ids)
 
 
