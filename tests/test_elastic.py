@@ -662,6 +662,29 @@ def test_manager_retry_limit_and_unrelated_errors():
     assert dict(em.mesh.shape) == {"data": 5}
 
 
+def test_manager_records_an_idle_device_an_error_names():
+    # Device 7 lost: the slice 4-7 is dropped, 4-6 idle. A step error that names idle
+    # device 5 is not the step's to retry (re-raised), but 5 is recorded as lost, so
+    # that 7's return does not grow the state back onto it.
+    full = mesh_of((8,), ("data",))
+    em = reshard.ElasticManager(full, "data", allowed_sizes=(4, 8))
+    state = jax.device_put(np.arange(8.0), NamedSharding(full, P()))  # replicated
+    em.mark_lost([7])
+    state = em.apply(state)
+    assert dict(em.mesh.shape) == {"data": 4}
+
+    def names_an_idle_device(state, mesh):
+        raise RuntimeError("UNAVAILABLE: TPU_5 heartbeat timed out")
+
+    with pytest.raises(RuntimeError, match="TPU_5 heartbeat"):
+        em.run_step(names_an_idle_device, state)
+    assert em.lost_devices == {5, 7}
+    em.mark_returned([7])
+    state = em.apply(state)
+    assert dict(em.mesh.shape) == {"data": 4} and em.lost_devices == {5}
+    np.testing.assert_array_equal(np.asarray(state), np.arange(8.0))
+
+
 def test_manager_data_loss_leaves_everything_as_it_was():
     full = mesh_of((2, 4), ("data", "fsdp"))
     em = reshard.ElasticManager(full, "data", donate=True)

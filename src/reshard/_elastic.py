@@ -494,7 +494,8 @@ class ElasticManager:
         Pending device changes are applied first. When the step raises an error that
         ``error_parser`` maps to active devices, those devices are marked lost, the
         state is recovered onto the smaller mesh and the step is retried, at most
-        ``max_retries`` times.
+        ``max_retries`` times. Idle devices the error names (in a dropped slice) are
+        marked lost too; an error that names no active device is raised unchanged.
 
         Args:
           step_fn: returns ``(new_state, aux)``.
@@ -521,7 +522,13 @@ class ElasticManager:
                 return out
             except Exception as e:
                 active = {d.id for d in self.active_devices}
-                lost = set(self.error_parser(e)) & active
+                named = set(self.error_parser(e))
+                lost = named & active
+                # Idle devices of the full mesh (in a dropped slice) that the error names
+                # are recorded too, so that no later grow puts the state back on them.
+                idle = named & {d.id for d in self.full_mesh.devices.flat} - active
+                if idle:
+                    self.mark_lost(idle, cause=f"{type(e).__name__}: {e}")
                 if not lost:
                     raise
                 failures += 1
