@@ -580,6 +580,20 @@ def test_avoid_devices_forms(tree):
         np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(tree["w"]))
 
 
+def test_avoid_devices_takes_any_device_but_checks_bare_ids(tree, monkeypatch):
+    # A jax.Device is one JAX has, whatever its backend: on a machine with an
+    # accelerator, a CPU device's id need not be one of the default backend's. Only
+    # bare ids are checked (here the known ids are narrowed to stand for another
+    # default backend).
+    from reshard import _api
+
+    monkeypatch.setattr(_api, "_all_device_ids", lambda: frozenset(range(4)))
+    out = reshard.reshard(tree, sharding([4, 5]), avoid_devices=[DEVS[7]])
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(tree["w"]))
+    with pytest.raises(ValueError, match=r"device id\(s\) \[7\] that JAX does not have"):
+        reshard.reshard(tree, sharding([4, 5]), avoid_devices=[7])
+
+
 @pytest.mark.parametrize(
     ("avoid", "error", "message"),
     [

@@ -7,6 +7,7 @@ and looks plans up in a bounded cache. Inner layers trust what it hands them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -478,7 +479,7 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices")
             f"{what} must be an iterable of devices or device ids, got "
             f"{type(avoid_devices).__name__}: {avoid_devices!r} (for one device, pass [device])"
         )
-    ids = []
+    ids, bare = [], []
     for d in avoid_devices:
         try:
             if isinstance(d, bool):  # an int to Python, never meant as an id
@@ -488,19 +489,25 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices")
             raise TypeError(
                 f"{what} holds {d!r}, which is neither a device nor a device id"
             ) from None
-    avoid = frozenset(ids)
-    unknown = avoid - _all_device_ids()
+        if not isinstance(d, jax.Device):
+            bare.append(ids[-1])
+    # A jax.Device is one JAX has, whatever its platform; a bare id must name one of
+    # the default backend's devices or of the CPU's (arrays on CPU beside an accelerator).
+    unknown = set(bare) - _all_device_ids()
     if unknown:
         raise ValueError(
             f"{what} names device id(s) {sorted(unknown)} that JAX does not have "
-            f"(jax.devices() has {len(_all_device_ids())} devices)"
+            f"(jax.devices() has {len(jax.devices())} devices)"
         )
-    return avoid
+    return frozenset(ids)
 
 
 @functools.cache
 def _all_device_ids() -> frozenset[int]:
-    return frozenset(d.id for d in jax.devices())
+    ids = {d.id for d in jax.devices()}
+    with contextlib.suppress(RuntimeError):
+        ids.update(d.id for d in jax.devices("cpu"))
+    return frozenset(ids)
 
 
 # ----------------------------------------------------------------------------------
