@@ -73,10 +73,17 @@ class _Parser(argparse.ArgumentParser):
             self._args[:1] != ("--",) and self._args[:1] == tuple(flags[:1])
         ):
             # A command's flag and its value before the command (`reshard --devices 4
-            # demo`): argparse takes the value for the command; name the flags.
-            value = bad.group(1)
-            before = self._args[: self._args.index(value)] if value in self._args else flags
-            named = " ".join(a for a in before if a.startswith("-"))
+            # demo`): argparse takes the value for the command; name every flag before
+            # the command (or all of them, with no command).
+            commands = {
+                name
+                for action in self._actions
+                if isinstance(action, argparse._SubParsersAction)
+                for name in action.choices
+            }
+            end = next((i for i, a in enumerate(self._args) if a in commands), None)
+            named = " ".join(a for a in self._args[:end] if a.startswith("-"))
+            del bad
             message = f"unrecognized arguments: {named}; name a command first, then its flags"
         message += self._dash_value_hint(message)
         raise UsageError(f"{message} (see '{self.prog} --help')", prog=self.prog)
