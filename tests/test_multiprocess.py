@@ -285,6 +285,34 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 thread.join(60)
             _api._build_plan = build
 
+    def local_plans_leave_cached_collective_plans_alone() -> None:
+        # The last process caches more plans within its own devices than the plan
+        # cache holds (allowed: local calls may differ per process). They must not
+        # evict a cached collective plan there alone: that process would check its
+        # rebuilt plan (an all-gather) while the others ran the cached one, a hang.
+        from reshard import _api
+
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        mine = np.array([d for d in devs if d.process_index == me])
+        saved = _api.PLAN_CACHE_SIZE
+        _api.PLAN_CACHE_SIZE = 4
+        reshard.clear_plan_cache()
+        try:
+            x = make(a, src)
+            check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
+            p = reshard.plan(x, dst)
+            if me == jax.process_count() - 1:
+                for k in range(2 * _api.PLAN_CACHE_SIZE):
+                    local = ns(mine, ("l",), P("l"))
+                    v = jax.ShapeDtypeStruct((len(mine) * (k + 1),), np.float32, sharding=local)
+                    reshard.plan(v, ns(mine[::-1], ("l",), P("l")))
+            if reshard.plan(x, dst) is not p:  # checked here, without collectives
+                MISMATCHES.append(f"process {me}: a local plan evicted the collective one")
+            check(p.execute(x), a, dst)  # (agreed on every process: no hang either way)
+        finally:
+            _api.PLAN_CACHE_SIZE = saved
+            reshard.clear_plan_cache()
+
     def memory_kinds() -> None:
         move(
             a,
@@ -732,6 +760,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         a_process_failing_after_the_transfer_fails_alone,
         within_one_process,  # (whatever the packing: run once per layout)
         a_local_call_in_another_thread_leaves_the_count_alone,
+        local_plans_leave_cached_collective_plans_alone,
     )
     device_only = (
         a_process_failing_before_the_program_fails_every_process,
@@ -949,6 +978,7 @@ SCENARIOS = [
 HOST_SCENARIOS = [
     "within_one_process",
     "a_local_call_in_another_thread_leaves_the_count_alone",
+    "local_plans_leave_cached_collective_plans_alone",
     "a_process_failing_mid_reshard_fails_every_process",
     "a_process_failing_after_the_transfer_fails_alone",
 ]

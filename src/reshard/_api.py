@@ -30,7 +30,14 @@ from ._planner import LeafSpec, ShardSpec, plan_leaves
 EXECUTORS = ("auto", "host", "device", "collective")
 PLAN_CACHE_SIZE = 128
 
+# Two bounded LRU caches: plans that cross processes, and plans within one process.
+# Every process makes the same calls that cross processes (the multi-controller
+# contract), so the first evolves alike on every process; calls within one process may
+# differ per process, as often as it likes (docs/multiprocess.md). In one shared LRU
+# those would evict a collective plan on one process only, which then checks its
+# rebuilt plan with the others (an all-gather) while they run the cached one: a hang.
 _cache: OrderedDict[Hashable, Plan] = OrderedDict()
+_local_cache: OrderedDict[Hashable, Plan] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
@@ -39,13 +46,14 @@ def clear_plan_cache() -> None:
     cached or not), and what was memoised per sharding."""
     with _cache_lock:
         _cache.clear()
+        _local_cache.clear()
     _programs.clear()
     for memo in (_shard_specs, _destination_ok, _whole_copy):  # they hold shardings
         memo.cache_clear()
 
 
 def plan_cache_size() -> int:
-    return len(_cache)
+    return len(_cache) + len(_local_cache)
 
 
 def reshard(
@@ -202,10 +210,11 @@ def plan(
     if cache:
         try:
             with _cache_lock:
-                hit = _cache.get(key)
-                if hit is not None:
-                    _cache.move_to_end(key)
-                    return hit
+                for cached in (_cache, _local_cache):
+                    hit = cached.get(key)
+                    if hit is not None:
+                        cached.move_to_end(key)
+                        return hit
         except (ValueError, TypeError):
             # Pytree node metadata without plain equality (a numpy array, say) cannot
             # be compared with a cached tree's: plan this call without the cache.
@@ -214,9 +223,10 @@ def plan(
     if cache:
         try:
             with _cache_lock:
-                _cache[key] = result
-                while len(_cache) > PLAN_CACHE_SIZE:
-                    _cache.popitem(last=False)
+                store = _cache if result.crosses_processes else _local_cache
+                store[key] = result
+                while len(store) > PLAN_CACHE_SIZE:
+                    store.popitem(last=False)
         except (ValueError, TypeError):
             pass  # as above: the plan is still good, only not cached
     return result
