@@ -548,6 +548,29 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         same = ns(devs[half:], ("t",), P(None, "t"))
         check(reshard.reshard(x, same), a, same)
 
+    def calls_in_another_order_raise_on_every_process() -> None:
+        # Two plans, each checked across processes on its first run, then called in
+        # another order on process 0. Their collectives match (same bytes, same
+        # devices), so each call met the other plan's and returned its data, wrong,
+        # without an error. Every process raises instead, the inputs intact, and all
+        # stay in step (the next calls work).
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        b = _ground_truth(a.shape, np.int32, 1)
+        x, z = make(a, src), make(b, src)
+        for v in (x, z):
+            reshard.reshard(v, dst, cache_resharding_plans=True)
+        for v in (x, z) if me == 0 else (z, x):
+            try:
+                reshard.reshard(v, dst, cache_resharding_plans=True)
+                raise AssertionError("calls in another order did not raise")
+            except RuntimeError as e:
+                assert "reshard calls differ across processes" in str(e), e
+                assert "[0] | [1" in str(e), e  # names the processes that differ
+        check(x, a, src)
+        check(z, b, src)
+        check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
+        check(reshard.reshard(z, dst, cache_resharding_plans=True), b, dst)
+
     def a_call_failing_on_one_process_is_not_paired_with_its_next() -> None:
         # Process 1's call fails before its collectives (bad input, caught by the user)
         # while the others' call waits in them. Process 1's next call would meet that
@@ -789,6 +812,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             failure_leaves_inputs_intact,
             different_arguments_raise_on_every_process,
             a_call_failing_on_one_process_is_not_paired_with_its_next,
+            calls_in_another_order_raise_on_every_process,
             random_cases,
         )
     }
@@ -972,6 +996,7 @@ SCENARIOS = [
     "failure_leaves_inputs_intact",
     "different_arguments_raise_on_every_process",
     "a_call_failing_on_one_process_is_not_paired_with_its_next",
+    "calls_in_another_order_raise_on_every_process",
     "random_cases",
 ]
 # Failures part-way through: the host-packed schedule's filler stages and status.

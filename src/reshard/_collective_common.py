@@ -198,16 +198,28 @@ def count_call() -> None:
     _calls_started += 1
 
 
+def status_width() -> int:
+    """Entries of the status per device: two per process (see ``status_input``)."""
+    return 2 * jax.process_count()
+
+
 def status_input(program: Any, failed: bool) -> jax.Array:
     """This process's status, to be summed over the union mesh (``psum``): per process,
-    one entry that only it writes (on its first device of the union; the rest write
-    zeros): its count of calls, and whether it failed. Processes without a device in
-    the union leave their entry 0."""
+    two entries that only it writes (on its first device of the union; the rest write
+    zeros): its count of calls and whether it failed, and a word of the fingerprint of
+    the program it runs. Processes without a device in the union leave theirs 0.
+
+    The fingerprint tells apart calls that meet in the same collectives but run
+    different plans, each checked before (``agree`` runs once per plan): calls made in
+    another order on some processes, say, whose collectives happen to match."""
     me, count = jax.process_index(), jax.process_count()
-    rows = [np.zeros((count,), np.int32) for _ in program.local_devices]
+    rows = [np.zeros((status_width(),), np.int32) for _ in program.local_devices]
     rows[0][me] = 4 * (_calls_started % _CALL_MODULUS) + 2 + int(failed)
+    rows[0][count + me] = int.from_bytes(
+        program.fingerprint[:4].ljust(4, b"\0"), "little", signed=True
+    )
     return _compat.assemble(
-        (len(program.devices) * count,),
+        (len(program.devices) * status_width(),),
         np.dtype(np.int32),
         program.block_sharding,
         rows,
@@ -220,7 +232,9 @@ def check_status(status: jax.Array | None, when: str) -> None:
     (their counts of calls differ) or processes that failed ``when``."""
     if status is None:
         return
-    entries = np.asarray(status.addressable_shards[0].data)
+    everyone = np.asarray(status.addressable_shards[0].data)
+    count = len(everyone) // 2
+    entries, words = everyone[:count], everyone[count:]
     calls = {p: int(v) >> 2 for p, v in enumerate(entries) if v}
     if len(set(calls.values())) > 1:
         raise RuntimeError(
@@ -232,6 +246,19 @@ def check_status(status: jax.Array | None, when: str) -> None:
             "reshard / Plan.execute in the same order; the counts cannot come back in "
             "step within this job, so later collective reshards fail the same way: "
             "restart the processes"
+        )
+    plans: dict[int, list[int]] = {}
+    for p in calls:
+        plans.setdefault(int(words[p]), []).append(p)
+    if len(plans) > 1:
+        raise RuntimeError(
+            "reshard calls differ across processes: in this collective reshard processes "
+            f"{' | '.join(map(str, plans.values()))} each ran a different plan, every one "
+            "checked before (a plan is compared across processes only the first time it "
+            "runs). The calls were made in another order, or with other arguments, on "
+            "some processes. No results were made, and the inputs are intact. Every "
+            "process must make the same calls of reshard / Plan.execute, with the same "
+            "arguments, in the same order"
         )
     failed = [p for p, v in enumerate(entries) if int(v) & 1]
     if failed:

@@ -50,6 +50,7 @@ from ._collective_common import (
     all_copies,
     color_edges,
     status_input,
+    status_width,
 )
 from ._planner import LeafPlan
 
@@ -300,7 +301,7 @@ class CollectiveProgram:
             # A psum costs ~1 ms over gloo here, an all_gather ~4 ms.
             last = stage == self.status_stage
             if last:
-                shapes.append((n * jax.process_count(),))
+                shapes.append((n * status_width(),))
                 dtypes.append(np.dtype(np.int32))
 
             def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
@@ -358,7 +359,7 @@ class CollectiveProgram:
                     )
                 )
                 aval = jax.ShapeDtypeStruct(
-                    (len(self.devices) * jax.process_count(),),
+                    (len(self.devices) * status_width(),),
                     np.dtype(np.int32),
                     sharding=self.block_sharding,
                 )
