@@ -199,6 +199,15 @@ def test_arrays_with_no_elements(monkeypatch, executor, pack_on_host, shape):
     # (so from device_put, whose shards have their own shapes).
     same = NamedSharding(Mesh(np.array(DEVS[:2]).reshape(1, 2), ("x", "a")), src.spec)
     check_result(reshard.reshard(jax.device_put(truth, src), same, executor=executor), truth, same)
+    # Kept shards of a jit output, whose empty shards have the whole array's shape,
+    # handed over or copied: each comes out with its own shard shape and memory kind.
+    for kind in MEMORY_KINDS:
+        src = NamedSharding(src.mesh, src.spec, memory_kind=kind)
+        for ids in ([0, 1], [0, 2]):  # the same shards, or device 0 keeping its own
+            dst = NamedSharding(mesh1(ids), src.spec, memory_kind=kind)
+            for may_alias in (True, None):
+                y = reshard.reshard(place(truth, src), dst, executor=executor, may_alias=may_alias)
+                check_result(y, truth, dst)
 
 
 def test_device_packed_runs_in_groups_that_bound_placeholders(monkeypatch):

@@ -283,7 +283,8 @@ def assemble(
     for d in devs:
         pos = program.position[d.id]
         if pos in reused:
-            parts.append(_compat.empty_as(src_bufs[program.devices[reused[pos]].id], block_shape))
+            kept = src_bufs[program.devices[reused[pos]].id]
+            parts.append(_compat.empty_as(kept, block_shape, mk))
         else:
             block = out_bufs[d.id]
             if program.leaves[li].scalar:

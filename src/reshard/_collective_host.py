@@ -712,7 +712,9 @@ def run_host_packed(
             pos = position[d.id]
             src_pos = program.reused[li].get(pos)
             if src_pos is not None:
-                parts.append(bufs[li][devices[src_pos].id])
+                # (A jit output's empty shard may have the whole array's shape.)
+                kept = bufs[li][devices[src_pos].id]
+                parts.append(_compat.empty_as(kept, shard_shape, sharding.memory_kind))
             else:
                 parts.append(outs[pos][li].reshape(shard_shape))
         arrays.append(

@@ -200,7 +200,7 @@ def run_host(
     )
     big: list[tuple[int, Callable[[], Any]]] = []  # (bytes, copy) per large shard
     leaves: list[tuple[list[Any], list[Any]]] = []
-    for job, src, tg, a in zip(jobs, sources, targets, alias, strict=True):
+    for job, src, sharding, tg, a in zip(jobs, sources, shardings, targets, alias, strict=True):
         spec = job.plan.spec
         bufs = _compat.device_buffers(src)
         views: dict[int, np.ndarray] = {}
@@ -209,7 +209,9 @@ def run_host(
         for di, dev in tg:
             si = job.reused.get(di)
             if si is not None and a:
-                dst_bufs.append(bufs[spec.src[si].device])
+                # (A jit output's empty shard may have the whole array's shape.)
+                kept = bufs[spec.src[si].device]
+                dst_bufs.append(_compat.empty_as(kept, job.shapes[di], sharding.memory_kind))
             else:
                 n = job.nbytes[di]
                 shape = job.shapes[di]
@@ -521,7 +523,7 @@ def run_device(
     # all in one batched call.
     all_parts: list[list[Any]] = []
     copy_at: list[tuple[int, int]] = []
-    for li, (job, tg) in enumerate(zip(jobs, placements, strict=True)):
+    for li, (job, sharding, tg) in enumerate(zip(jobs, shardings, placements, strict=True)):
         spec = job.plan.spec
         parts: list[Any] = []
         for di, _ in tg:
@@ -529,7 +531,9 @@ def run_device(
             if si is None:
                 parts.append(built[(li, di)])
                 continue
-            parts.append(bufs[li][spec.src[si].device])
+            # (A jit output's empty shard may have the whole array's shape.)
+            kept = bufs[li][spec.src[si].device]
+            parts.append(_compat.empty_as(kept, job.shapes[di], sharding.memory_kind))
             if not alias[li]:
                 copy_at.append((li, len(parts) - 1))
         all_parts.append(parts)
