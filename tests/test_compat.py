@@ -46,6 +46,17 @@ def test_assemble_and_reshard_same_result(private, memory_kind):
         check_result(reshard.reshard(x, dst, executor=executor), truth, dst)
 
 
+@pytest.mark.parametrize("executor", ["host", "device"])
+def test_arrays_with_no_elements_land_on_their_devices(private, executor):
+    # Nothing to move: the device executor builds each empty shard with a program of
+    # no inputs, which JAX runs on the default device; the public path then put the
+    # array together from shards that were all on device 0.
+    src = NamedSharding(Mesh(np.array(DEVS[:2]), ("a",)), P())
+    dst = NamedSharding(Mesh(np.array(DEVS[2:4]), ("a",)), P("a"))
+    truth = np.zeros((2, 0), np.float32)
+    check_result(reshard.reshard(place(truth, src), dst, executor=executor), truth, dst)
+
+
 def test_aligned_empty_is_aligned():
     for shape, dtype in [((3, 5), np.float32), ((7,), np.int8), ((), np.complex64)]:
         a = _compat.aligned_empty(shape, np.dtype(dtype))

@@ -547,7 +547,13 @@ def run_device(
         spec = job.plan.spec
         devs = [d for _, d in tg]
         mk = sharding.memory_kind
-        fix = [i for i, p in enumerate(parts) if p.sharding.memory_kind != mk and mk is not None]
+        # (A build program without inputs, for an empty shard, runs on the default
+        # device: its output goes to its own device here.)
+        fix = [
+            i
+            for i, p in enumerate(parts)
+            if (p.sharding.memory_kind != mk and mk is not None) or devs[i] not in p.devices()
+        ]
         if fix:
             placed = jax.device_put(
                 [parts[i] for i in fix],
