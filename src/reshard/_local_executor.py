@@ -538,8 +538,8 @@ def run_device(
                 copy_at.append((li, len(parts) - 1))
         all_parts.append(parts)
     if copy_at:
-        kept = [all_parts[li][k] for li, k in copy_at]
-        copies = jax.device_put(kept, [b.sharding for b in kept], may_alias=False)
+        to_copy = [all_parts[li][k] for li, k in copy_at]
+        copies = jax.device_put(to_copy, [b.sharding for b in to_copy], may_alias=False)
         for (li, k), c in zip(copy_at, copies, strict=True):
             all_parts[li][k] = c
     results = []
