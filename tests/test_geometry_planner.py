@@ -204,6 +204,24 @@ def test_balance_across_leaves_and_merging():
     ]
 
 
+def test_balance_across_leaves_of_the_same_geometry():
+    # Identical leaves (layers of a model) whose box has two replicas: each copy takes
+    # part in the balancing, so both replicas send; sharing the first copy's pieces
+    # sent everything from device 0.
+    box = ((0, 8),)
+    src = [(0, "device", 0, box), (1, "device", 0, box)]
+    dst = [(2, "device", 0, box)]
+    plans, stats = plan_leaves([spec_of((8,), src, dst) for _ in range(4)])
+    assert stats.send_bytes == {0: 64, 1: 64}
+    assert stats.bytes_moved == stats.bytes_lower_bound == 128
+    assert stats.transfers == 4
+    for lp in plans:
+        check_plan_covers_exactly(lp)
+    # Without a choice the copies still share the representative's pieces.
+    plans, _ = plan_leaves([spec_of((8,), src[:1], dst) for _ in range(3)])
+    assert plans[1].moved is plans[0].moved and plans[2].moved is plans[0].moved
+
+
 def test_avoid_devices_and_data_loss():
     a, b = ((0, 4),), ((4, 8),)
     src = [(0, "device", 0, a), (1, "device", 0, b), (2, "device", 0, a), (3, "device", 0, b)]

@@ -259,17 +259,28 @@ def plan_leaves(
 
     # Arrays with the same geometry (every layer of a model, say) get one plan: the
     # representative's pieces are shared, so planning cost grows with the number of
-    # distinct geometries, not of leaves.
+    # distinct geometries, not of leaves. Not when a request has several candidate
+    # replicas: then each copy takes part in the balancing on its own (sharing would
+    # send every copy from the replicas the first one chose), reusing the
+    # representative's regions.
     first: dict[tuple[object, ...], int] = {}
     rep_of = [
         first.setdefault((s.shape, s.itemsize, s.src, s.dst), li) for li, s in enumerate(leaves)
     ]
     lost_of: dict[int, list[Box]] = {}
+    # Per representative, its requests (a slice of ``requests``) if any has a choice.
+    choices: dict[int, tuple[int, int]] = {}
+    own = [False] * len(leaves)  # a copy balanced on its own (pieces not shared)
 
     for li, spec in enumerate(leaves):
         if rep_of[li] != li:
             missing.extend((spec.name, b) for b in lost_of[rep_of[li]])
+            span = choices.get(rep_of[li])
+            if span is not None:
+                own[li] = True
+                requests.extend((n, li, di, b, c) for n, _, di, b, c in requests[slice(*span)])
             continue
+        first_request = len(requests)
         distinct = _check_tiling(spec, "source", spec.src)
         _check_tiling(spec, "destination", spec.dst)
         holders: dict[Box, list[int]] = defaultdict(list)
@@ -307,6 +318,8 @@ def plan_leaves(
                     region_cache[region] = parts
                 for ov, cands in parts:
                     requests.append((-volume(ov) * spec.itemsize, li, di, ov, cands))
+        if any(len(r[4]) > 1 for r in requests[first_request:]):
+            choices[li] = (first_request, len(requests))
 
     if missing:
         raise DataLossError(missing)
@@ -321,13 +334,14 @@ def plan_leaves(
     chosen: dict[tuple[int, int, int], list[Box]] = defaultdict(list)
     for neg, li, di, box, cands in requests:
         spec = leaves[li]
+        rep = rep_of[li]  # copies share candidate pools: same shards, same order
         dproc = spec.dst[di].process
-        by_proc = procs.get((li, cands))
+        by_proc = procs.get((rep, cands))
         if by_proc is None:
-            by_proc = procs[(li, cands)] = defaultdict(list)
+            by_proc = procs[(rep, cands)] = defaultdict(list)
             for c in cands:
                 by_proc[spec.src[c].process].append(c)
-        pkey = (li, cands, dproc if dproc in by_proc else -1)
+        pkey = (rep, cands, dproc if dproc in by_proc else -1)
         heap = pools.get(pkey)
         if heap is None:
             pool = by_proc.get(dproc, cands)
@@ -361,10 +375,16 @@ def plan_leaves(
         reps[li]
         if rep_of[li] == li
         # (a constructor call: dataclasses.replace costs several times as much)
-        else LeafPlan(spec, reps[rep_of[li]].kept, reps[rep_of[li]].moved, reps[rep_of[li]].reused)
+        else LeafPlan(
+            spec,
+            reps[rep_of[li]].kept,
+            tuple(moved[li]) if own[li] else reps[rep_of[li]].moved,
+            reps[rep_of[li]].reused,
+        )
         for li, spec in enumerate(leaves)
     )
-    return plans, _stats(plans, rep_of)
+    # Copies balanced on their own have their own numbers.
+    return plans, _stats(plans, [li if own[li] else r for li, r in enumerate(rep_of)])
 
 
 def _neg_bytes(request: tuple[int, int, int, Box, tuple[int, ...]]) -> int:
