@@ -259,10 +259,10 @@ def plan_leaves(
 
     # Arrays with the same geometry (every layer of a model, say) get one plan: the
     # representative's pieces are shared, so planning cost grows with the number of
-    # distinct geometries, not of leaves. Not when a request has several candidate
-    # replicas: then each copy takes part in the balancing on its own (sharing would
-    # send every copy from the replicas the first one chose), reusing the
-    # representative's regions.
+    # distinct geometries, not of leaves. Not when the first has too few requests with
+    # a choice of replicas to use them all: then each copy takes part in the balancing
+    # on its own (sharing would send every copy from the replicas the first one chose),
+    # reusing the representative's regions.
     first: dict[tuple[object, ...], int] = {}
     rep_of = [
         first.setdefault((s.shape, s.itemsize, s.src, s.dst), li) for li, s in enumerate(leaves)
@@ -318,7 +318,12 @@ def plan_leaves(
                     region_cache[region] = parts
                 for ov, cands in parts:
                     requests.append((-volume(ov) * spec.itemsize, li, di, ov, cands))
-        if any(len(r[4]) > 1 for r in requests[first_request:]):
+        # Copies balance on their own only where the representative has fewer requests
+        # with a choice than replicas to choose from, so that sharing its choice would
+        # leave replicas idle: balancing every copy costs a greedy step per request
+        # (100 replicated leaves on 4096 -> 3072 devices: 89 s to plan instead of 4).
+        with_choice = [r[4] for r in requests[first_request:] if len(r[4]) > 1]
+        if with_choice and len(with_choice) < len({c for cands in with_choice for c in cands}):
             choices[li] = (first_request, len(requests))
 
     if missing:
