@@ -8,6 +8,7 @@ must be one line on stderr with exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -450,35 +451,22 @@ def test_a_closed_stdout_pipe_keeps_the_runs_own_exit_code(
     assert err.startswith("reshard plan: ") and "Traceback" not in err, err
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_an_unwritable_stdout_is_a_failure_with_a_message() -> None:
-    """A full disk loses the output: exit 1 with one line on stderr, no traceback."""
+@pytest.mark.parametrize("lost", ["full disk", "closed"])
+def test_a_lost_stdout_is_a_failure_with_a_message(lost: str) -> None:
+    """A full disk (stdout is /dev/full) or a stdout closed at start (`reshard plan ...
+    >&-`) loses the output: exit 1 with one line on stderr, no traceback (for a closed
+    stdout, not an AttributeError)."""
     args = ["plan", "--shape", "48,64", "--src-mesh", "8", "--dst-mesh", "6"]
-    with open("/dev/full", "w") as full:
-        res = subprocess.run(
-            [sys.executable, "-m", "reshard", *args],
-            stdout=full,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-            timeout=60,
-        )
-    assert res.returncode == 1, res.stderr
-    assert res.stderr.startswith("reshard plan: error: cannot write standard output: ")
-    assert "Traceback" not in res.stderr, res.stderr
-
-
-def test_a_closed_stdout_is_a_failure_with_a_message() -> None:
-    """Started with stdout closed (`reshard plan ... >&-`): exit 1 and one line, as for
-    a full disk, not an AttributeError traceback."""
-    args = ["plan", "--shape", "48,64", "--src-mesh", "8", "--dst-mesh", "6"]
-    res = subprocess.run(
-        ["sh", "-c", 'exec "$0" -m reshard "$@" >&-', sys.executable, *args],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        timeout=60,
+    run = functools.partial(
+        subprocess.run, stderr=subprocess.PIPE, text=True, env=_env(), timeout=60
     )
+    if lost == "closed":
+        res = run(["sh", "-c", 'exec "$0" -m reshard "$@" >&-', sys.executable, *args])
+    else:
+        if not os.path.exists("/dev/full"):
+            pytest.skip("needs /dev/full")
+        with open("/dev/full", "w") as full:
+            res = run([sys.executable, "-m", "reshard", *args], stdout=full)
     assert res.returncode == 1, res.stderr
     assert res.stderr.startswith("reshard plan: error: cannot write standard output: ")
     assert "Traceback" not in res.stderr, res.stderr
