@@ -69,8 +69,10 @@ class _Parser(argparse.ArgumentParser):
             # Flags before any command (`reshard --bogus`): say so, not only that the
             # command is missing.
             message = f"unrecognized arguments: {' '.join(flags)}; name a command first"
-        elif (bad := re.match(r"argument command: invalid choice: '(.*)' \(", message)) and (
-            self._args[:1] != ("--",) and self._args[:1] == tuple(flags[:1])
+        elif (
+            re.match(r"argument command: invalid choice: '.*' \(", message)
+            and self._args[:1] != ("--",)
+            and self._args[:1] == tuple(flags[:1])
         ):
             # A command's flag and its value before the command (`reshard --devices 4
             # demo`): argparse takes the value for the command; name every flag before
@@ -83,7 +85,6 @@ class _Parser(argparse.ArgumentParser):
             }
             end = next((i for i, a in enumerate(self._args) if a in commands), None)
             named = " ".join(a for a in self._args[:end] if a.startswith("-"))
-            del bad
             message = f"unrecognized arguments: {named}; name a command first, then its flags"
         message += self._dash_value_hint(message)
         raise UsageError(f"{message} (see '{self.prog} --help')", prog=self.prog)

@@ -162,9 +162,9 @@ def parse_lost_devices(error: BaseException) -> frozenset[int]:
     "hardware", "ECC", "Xid", "device ... failed", ...) and names devices ("device 3",
     "devices [4, 5]", "TPU_3", "CudaDevice(id=3)", "gpu:3"); out-of-memory, compilation
     and allocation errors never count, nor does a list of the devices an operation ran
-    on ("over devices [0, 1, 2, 3]"). Runtimes word these errors differently: pass your own parser to
-    ``ElasticManager`` when yours does not match (local GPU ordinals equal global ids
-    only in single-process runs).
+    on ("over devices [0, 1, 2, 3]"). Runtimes word these errors differently: pass your
+    own parser to ``ElasticManager`` when yours does not match (local GPU ordinals
+    equal global ids only in single-process runs).
 
     Args:
       error: the exception a step raised.
@@ -526,7 +526,7 @@ class ElasticManager:
                 lost = named & active
                 # Idle devices of the full mesh (in a dropped slice) that the error names
                 # are recorded too, so that no later grow puts the state back on them.
-                idle = named & {d.id for d in self.full_mesh.devices.flat} - active
+                idle = named & self._all.keys() - active
                 if idle:
                     self.mark_lost(idle, cause=f"{type(e).__name__}: {e}")
                 if not lost:

@@ -412,9 +412,11 @@ def _end_all(procs: Sequence[subprocess.Popen[bytes]], ended_at: dict[int, float
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.0, t_end - time.monotonic()))
         # Grandchildren are not ours to wait for: poll their groups until the grace ends.
-        while _groups_alive(groups) and time.monotonic() < t_end:
+        alive = _groups_alive(groups)
+        while alive and time.monotonic() < t_end:
             time.sleep(_POLL_S)
-        if all(p.poll() is not None for p in procs) and not _groups_alive(groups):
+            alive = _groups_alive(groups)
+        if not alive and all(p.poll() is not None for p in procs):
             break
     now = time.monotonic()
     for pid, p in enumerate(procs):

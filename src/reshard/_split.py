@@ -346,8 +346,8 @@ def split_by_mesh_axis(
         ``[2, 3]`` on an axis of size 4 gives parts ``[0:2]``, ``[2:3]``, ``[3:4]``.
       donate: consume the inputs: they are marked deleted once the parts are built
         (not those in unpinned host memory or that ``_compat.may_donate`` refuses,
-        nor different inputs that share a buffer: those stay valid). Either way no buffer is copied; by default the parts alias
-        the inputs.
+        nor different inputs that share a buffer: those stay valid). Either way no
+        buffer is copied; by default the parts alias the inputs.
 
     Returns:
       A list with one pytree per part, each of the structure of ``arrays``.
