@@ -322,6 +322,41 @@ def test_plan_colours_only_on_a_terminal() -> None:
 
 
 @pytest.mark.parametrize(
+    "name",
+    [
+        "bfloat16",
+        "float8_e5m2",
+        "float8_e4m3fn",
+        "float8_e8m0fnu",
+        "float4_e2m1fn",
+        "int4",
+        "uint2",
+        "bool",
+        "int8",
+        "uint64",
+        "float16",
+        "complex64",
+        "complex128",
+    ],
+)
+def test_plan_dtype_takes_every_type_jax_arrays_have(name: str) -> None:
+    from reshard._cli_plan import dtype_arg
+
+    # (numpy 2.4 reads ml_dtypes' float8_e5m2 as kind "f", the other extra types as "V")
+    assert dtype_arg(name) == np.dtype(getattr(jax.numpy, name))
+
+
+@pytest.mark.parametrize("name", ["complex32", "bcomplex32", "finfo", "iinfo"])
+def test_plan_dtype_refuses_ml_dtypes_names_jax_has_no_arrays_of(name: str) -> None:
+    import argparse
+
+    from reshard._cli_plan import dtype_arg
+
+    with pytest.raises(argparse.ArgumentTypeError, match="not a dtype of JAX arrays"):
+        dtype_arg(name)
+
+
+@pytest.mark.parametrize(
     "args, needles",
     [
         (["plan", "--shape", "10x", "--src-mesh", "2", "--dst-mesh", "2"], ["--shape", "e.g."]),

@@ -149,7 +149,9 @@ def dtype_arg(text: str) -> np.dtype[Any]:
     try:
         if hasattr(ml_dtypes, name):
             dt = np.dtype(getattr(ml_dtypes, name))
-            ok = dt.kind == "V" and dt.names is None  # bfloat16, float8_*, int4, ...
+            # bfloat16, float8_*, int4, ...: raw bytes to numpy, or (float8_e5m2, with
+            # numpy 2.4 and ml_dtypes 0.6) a float; not its complex32 types (kind "W").
+            ok = dt.kind in "Vf" and dt.names is None
         else:
             dt = np.dtype(name)
             # Numbers and bools of the widths JAX has: not strings, objects, dates,
