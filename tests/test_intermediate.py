@@ -430,3 +430,14 @@ def test_sidechannel_names_are_the_same_calls(cache: bool) -> None:
     # Cached only when asked: the tree's plan, and for the move through the intermediate
     # sharding its check of the final destination and its two moves.
     assert _api.plan_cache_size() == (4 if cache else 0)
+
+
+@pytest.mark.parametrize("x", [{}, {"opt": None}, None, []])
+@pytest.mark.parametrize("donate", [False, True])
+def test_tree_without_arrays_comes_back_as_it_is(x, donate):
+    # Before: the split of the intermediate found no leaf to read the replica count
+    # from and raised, naming an argument this function does not take.
+    src = sharding((8,), ("fsdp",), P("fsdp", None))
+    dst = sharding((4,), ("tp",), P(None, "tp"), ids=[4, 5, 6, 7])
+    assert find_intermediate_sharding(src, dst)[1]  # the path with a split
+    assert reshard_with_intermediate_sharding(x, src, dst, donate=donate) == x

@@ -510,7 +510,7 @@ def test_concatenate_copies_nothing_and_donates():
     mesh = make_mesh((4, 2), ("stage", "tp"))
     x = put(np.arange(32, dtype=np.float32).reshape(8, 4), mesh, P("stage", "tp"))
     before = pointers(x)
-    parts = split_by_mesh_axis(x, "stage", 2)
+    parts = split_by_mesh_axis(x, "stage", 2, donate=True)  # x consumed: parts hold all
     joined = concatenate_by_mesh_axis(parts, "stage")
     assert all(p.is_deleted() for p in parts)
     assert pointers(joined) == before
@@ -726,6 +726,148 @@ def test_round_trip_split_then_concatenate(layout, dtype, memory_kind, donate, s
             assert ptr == before[device]  # nothing copied
 
     joined = concatenate_by_mesh_axis(parts, axis)["x"]
-    assert all(p["x"].is_deleted() for p in parts)
+    # Consumed where x was; where x lives, freeing them would free x too.
+    assert all(p["x"].is_deleted() == donate for p in parts)
+    assert x.is_deleted() == donate
     assert_array(joined, value, x.sharding)
     assert pointers(joined) == before
+
+
+# --------------------------------------------------------------------------- shared buffers
+
+
+def _intact(x, want):
+    """``x`` reads as valid, every shard included, and computes: a half-freed array
+    would read as valid and crash the process in the jit below."""
+    assert not x.is_deleted()
+    assert not any(s.data.is_deleted() for s in x.addressable_shards)
+    assert_bits(np.asarray(jax.jit(lambda a: a + 1)(x)), want + 1)
+
+
+def _consume_part(how, parts):
+    """Consumes parts[1] (or parts[1:]) the way ``how`` names; returns the result."""
+    if how == "split_donate":
+        return split_by_mesh_axis(parts[1], "tp", donate=True)
+    if how == "concatenate":
+        return concatenate_by_mesh_axis(parts[1:], "stage")
+    sub = NamedSharding(Mesh(np.array(DEVICES[:2]), ("t",)), P("t"))
+    return reshard.reshard(parts[1], sub, donate=True)
+
+
+@pytest.mark.parametrize("how", ["split_donate", "concatenate", "reshard_donate"])
+def test_consuming_a_part_leaves_the_live_input_whole(how):
+    # Before: the part was donated, which freed its buffers under x; x still read as
+    # valid, and the next computation on x crashed the process.
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    x = put(value, mesh, P("stage", "tp"))
+    parts = split_by_mesh_axis(x, "stage")
+    out = _consume_part(how, parts)
+    _intact(x, value)
+    assert not parts[1].is_deleted()  # left unconsumed, as a declined donation
+    assert_bits(host(parts[1]), value[2:4])
+    jax.block_until_ready(out)
+
+
+def test_a_part_is_consumed_once_its_input_is_gone():
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    x = put(value, mesh, P("stage", "tp"))
+    parts = split_by_mesh_axis(x, "stage")
+    del x  # dropped: the parts are all that hold its buffers
+    halves = split_by_mesh_axis(parts[1], "tp", donate=True)
+    assert parts[1].is_deleted()
+    assert_bits(host(halves[0]), value[2:4, :4])
+    joined = concatenate_by_mesh_axis(halves, "tp")
+    assert all(h.is_deleted() for h in halves)
+    assert_bits(host(joined), value[2:4])
+    rest = concatenate_by_mesh_axis([parts[0], parts[2], parts[3]], "stage")
+    assert parts[0].is_deleted() and parts[3].is_deleted()
+    assert_bits(host(rest), value[[0, 1, 4, 5, 6, 7]])
+
+
+def test_joining_every_part_keeps_the_input_and_copies_nothing():
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    x = put(value, mesh, P("stage", "tp"))
+    parts = split_by_mesh_axis(x, "stage")
+    joined = concatenate_by_mesh_axis(parts, "stage")
+    _intact(x, value)
+    assert not any(p.is_deleted() for p in parts)
+    assert pointers(joined) == pointers(x)
+    assert_array(joined, value, x.sharding)
+    # The join shares x's buffers too: consuming it would free them under x.
+    reshard.reshard(joined, NamedSharding(mesh, P()), donate=True)
+    _intact(x, value)
+    assert not joined.is_deleted()
+
+
+@pytest.mark.parametrize("how", ["reshard_donate", "split_donate"])
+def test_consuming_the_input_leaves_its_live_parts_whole(how):
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    x = put(value, mesh, P("stage", "tp"))
+    parts = split_by_mesh_axis(x, "stage")
+    if how == "split_donate":
+        split_by_mesh_axis(x, "tp", donate=True)
+    else:
+        reshard.reshard(x, NamedSharding(mesh, P()), donate=True)
+    _intact(x, value)
+    for k, part in enumerate(parts):
+        _intact(part, value[2 * k : 2 * k + 2])
+
+
+def test_part_of_a_part_still_shares_with_the_whole():
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    x = put(value, mesh, P("stage", "tp"))
+    parts = split_by_mesh_axis(x, "stage")
+    quarters = split_by_mesh_axis(parts[1], "tp")
+    del parts  # the middle link is gone; x still holds the quarters' buffers
+    split_by_mesh_axis(quarters[0], "stage", donate=True)
+    _intact(x, value)
+    assert not quarters[0].is_deleted()
+
+
+def test_may_alias_output_is_not_freed_by_donating_its_input():
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(2**18, dtype=np.float32).reshape(512, 512)
+    x = put(value, mesh, P("stage", "tp"))
+    y = reshard.reshard(x, x.sharding, may_alias=True)  # hands every shard over
+    assert pointers(y) == pointers(x)
+    z = reshard.reshard(x, NamedSharding(mesh, P("tp", "stage")), donate=True)
+    assert not x.is_deleted()  # left valid: freeing it would free y
+    _intact(y, value)
+    assert_bits(host(z), value)
+    del y
+    reshard.reshard(x, NamedSharding(mesh, P("tp", "stage")), donate=True)
+    assert x.is_deleted()
+
+
+def test_concatenate_refuses_an_array_and_a_struct_at_one_leaf():
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    parts = split_by_mesh_axis(put(value, mesh, P("stage", "tp")), "stage", 2)
+    struct = jax.ShapeDtypeStruct(parts[0].shape, parts[0].dtype, sharding=parts[0].sharding)
+    for trees in (
+        [struct, parts[1]],
+        [
+            parts[0],
+            jax.ShapeDtypeStruct(parts[1].shape, parts[1].dtype, sharding=parts[1].sharding),
+        ],
+    ):
+        with pytest.raises(ValueError, match="all arrays or all ShapeDtypeStructs"):
+            concatenate_by_mesh_axis(trees, "stage")
+    assert not any(p.is_deleted() for p in parts)
+
+
+def test_one_mesh_error_names_the_devices_that_differ():
+    a = make_mesh((2, 4), ("a", "b"))
+    b = make_mesh((2, 4), ("a", "b"), device_ids=[7, 6, 5, 4, 3, 2, 1, 0])
+    x, y = put(np.zeros(8, np.float32), a, P()), put(np.zeros(8, np.float32), b, P())
+    with pytest.raises(
+        ValueError,
+        match=r"\[\[0, 1, 2, 3\], \[4, 5, 6, 7\]\] but .*"
+        r"\[\[7, 6, 5, 4\], \[3, 2, 1, 0\]\]",
+    ):
+        split_by_mesh_axis([x, y], "a")

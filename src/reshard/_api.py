@@ -79,12 +79,14 @@ def reshard(
         for its ``SingleDeviceSharding``, as in ``jax.device_put``.
       donate: consume the sources once the whole pytree has been moved (they then
         read as deleted); an array keeping 1 MiB or more in device memory hands those
-        shards over without a copy. A failure frees nothing.
+        shards over without a copy. A failure frees nothing. An array sharing buffers
+        with a live array that reshard made zero-copy (a ``may_alias=True`` output, a
+        part of ``split_by_mesh_axis``, or what it came from) is left valid instead.
       may_alias: ``None`` copies shards that stay on their device (handing them over
         only when donating), so the result shares no buffer with ``x``, even where
         nothing changes (``jax.device_put`` would return ``x`` itself there), as
         Pathways returns a copy. ``True`` hands such shards over always (donating
-        ``x`` later frees them under the output); ``False`` copies them always, when
+        ``x`` to a jitted step later frees them under the output); ``False`` copies them always, when
         donating too. See ``Plan.execute``.
       cache_resharding_plans: keep the plan in a bounded LRU cache keyed by avals,
         shardings and options, so repeated calls do not plan again. Compiled

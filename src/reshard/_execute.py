@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from . import _compat
+from . import _compat, _sharing
 from ._geometry import volume
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
@@ -229,6 +229,19 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         for i, arr in zip(host, placed, strict=True):
             out[i] = arr
 
+    # Inputs that share buffers with a live array outside x (a part of a split without
+    # donation, or the array such parts came from) are not consumed: freeing their
+    # buffers would free them under that array too (see ``_sharing``).
+    spared = (
+        _sharing.shared_elsewhere([v for v in values if isinstance(v, jax.Array)])
+        if donate
+        else set()
+    )
+    # Outputs handed an input's shards that stays valid share its buffers from now on.
+    for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True):
+        if a and lp.reused and (not donate or id(values[i]) in spared):
+            _sharing.note_shared(values[i], [out[i]])
+
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
         # Each donated array (by identity) with its data (key data for key arrays).
@@ -245,6 +258,8 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
 
         kept: set[Key] = set()  # buffers an output took over unchanged
         for (i, _leaf), src, lp, a in zip(planned, sources, plan.leaf_plans, alias, strict=True):
+            if id(values[i]) in spared:
+                continue
             donated.setdefault(id(values[i]), (values[i], src))
             if a and lp.reused:
                 devices = {lp.spec.src[si].device for _, si in lp.reused}
@@ -252,6 +267,8 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
                 kept.update(k for k in keys(values[i]) if k[0] in devices)
         for i in given:
             v = values[i]
+            if id(v) in spared:
+                continue
             data = _data(v)
             donated.setdefault(id(v), (v, data))
             # Asked for a copy, jax.device_put may still hand a buffer over (jax 0.10:
@@ -263,7 +280,7 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         takers = [
             i
             for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True)
-            if a and lp.reused
+            if a and lp.reused and id(values[i]) not in spared
         ]
         found: list[Donated] = [(v, data, keys(v) if kept else {}) for v, data in donated.values()]
         _donate(found, kept, out, takers + given, plan.avoid_devices)

@@ -256,8 +256,9 @@ def reshard_with_intermediate_sharding(
             plan(x, out_sharding, cache=cache)
         raise
     for axis in replica_axes:
-        # Keep the first replica; dropping the list releases the others' buffers.
-        y = split_by_mesh_axis(y, axis)[0]
+        # Keep the first replica; dropping the list releases the others' buffers. (The
+        # count is given: a tree with no arrays has no mesh to read it from.)
+        y = split_by_mesh_axis(y, axis, intermediate.mesh.shape[axis])[0]
     # Not donated: reshard frees sources only after the whole result is written, so
     # donating would not lower the peak, and y's buffers go when this frame returns.
     return reshard(y, out_sharding, may_alias=may_alias, cache_resharding_plans=cache)

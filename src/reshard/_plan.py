@@ -94,14 +94,17 @@ class Plan:
             (never before: a failure leaves every input intact); they then read as
             deleted. An array that keeps ``_execute.HANDOVER_BYTES`` (1 MiB) or more
             in device memory on its devices hands those shards to the output without
-            a copy.
+            a copy. An array that shares buffers with a live array this library made
+            zero-copy (``_sharing``: a part of a split, say) stays valid instead.
           may_alias: for shards that stay on their device: ``None`` copies them
             unless donating, so the output shares no buffer with the input, even an
             array that does not change (``jax.device_put`` would return the input
             itself), as Pathways returns a copy; ``True`` hands them over always (the
-            output then shares buffers with the input: donating the input later, to
-            a training step say, frees them under the output); ``False`` copies them
-            always, when donating too.
+            output then shares buffers with the input: donating the input later to
+            a jitted training step, say, frees them under the output; ``reshard``,
+            ``split_by_mesh_axis`` and ``concatenate_by_mesh_axis`` leave it
+            unconsumed while the output lives); ``False`` copies them always, when
+            donating too.
 
         Returns:
           A pytree like ``x`` with every leaf committed to its destination sharding.

@@ -23,7 +23,9 @@ failure happens before an input is invalidated. Arrays in unpinned host memory a
 consumed: XLA runs nothing on them (the donating call aborts the process, jax 0.10 on
 CPU), so they stay valid and the result aliases them, as without donation; nor are
 pinned-host arrays that JAX types as device memory (``_compat.may_donate``). Nor are
-different input arrays that share a buffer (see ``_consume``).
+different input arrays that share a buffer (see ``_consume``), nor inputs that share
+buffers with a live array outside the call (``_sharing``: the parts of a split without
+donation and the array they came from), whose buffers would be freed under it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _compat
+from . import _compat, _sharing
+from ._mesh_surgery import describe_grid
 
 __all__ = ["concatenate_by_mesh_axis", "split_by_mesh_axis"]
 
@@ -138,10 +141,16 @@ def _one_mesh(paths: Sequence[str], leaves: Sequence[Leaf], who: str, fix: str =
     """The mesh every leaf is on; a ValueError naming two leaves when they differ."""
     mesh = _mesh_of(leaves[0])
     for path, leaf in zip(paths, leaves, strict=True):
-        if _mesh_of(leaf) != mesh:
+        other = _mesh_of(leaf)
+        if other != mesh:
+            a, b = (
+                describe_grid(mesh.devices, mesh.axis_names),
+                describe_grid(other.devices, other.axis_names),
+            )
+            if a == b:  # same devices in the same order: the axis types differ
+                a, b = f"{a}, axis types {mesh.axis_types}", f"{b}, axis types {other.axis_types}"
             raise ValueError(
-                f"{who} must be on one mesh; {paths[0]} is on {mesh!r} but {path} is on "
-                f"{_mesh_of(leaf)!r}.{fix}"
+                f"{who} must be on one mesh; {paths[0]} is on a {a} but {path} is on a {b}.{fix}"
             )
     return mesh
 
@@ -239,6 +248,9 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     keys = {i: _compat.buffer_keys(a) for i, a in distinct.items() if _compat.may_donate(a)}
     holders = collections.Counter(k for ks in keys.values() for k in ks)
     shared = {i for i, ks in keys.items() if any(holders[k] > 1 for k in ks)}
+    # ...and arrays that share buffers with a live array outside this call (the parts of
+    # a split without donation, and the array they came from): left unconsumed too.
+    shared |= _sharing.shared_elsewhere([distinct[i] for i in keys])
     unique = [a for i, a in distinct.items() if i in keys and i not in shared]
     if not unique:
         return list(arrays)
@@ -346,8 +358,13 @@ def split_by_mesh_axis(
         ``[2, 3]`` on an axis of size 4 gives parts ``[0:2]``, ``[2:3]``, ``[3:4]``.
       donate: consume the inputs: they are marked deleted once the parts are built
         (not those in unpinned host memory or that ``_compat.may_donate`` refuses,
-        nor different inputs that share a buffer: those stay valid). Either way no
-        buffer is copied; by default the parts alias the inputs.
+        nor different inputs that share a buffer, nor inputs that share buffers
+        with a live array outside the call, such as the parts of an earlier split:
+        those stay valid). Either way no buffer is copied; by default the parts
+        alias the inputs, which then stay valid however the parts are used here
+        (``reshard``, ``split_by_mesh_axis`` and ``concatenate_by_mesh_axis`` do not
+        consume a part while its input lives; donating one to your own ``jax.jit``
+        frees its buffers under the input too).
 
     Returns:
       A list with one pytree per part, each of the structure of ``arrays``.
@@ -408,6 +425,9 @@ def split_by_mesh_axis(
         return flat_parts
 
     flat_parts = _build_then_consume([leaves], build, donate)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():  # not consumed
+            _sharing.note_shared(leaf, [part[i] for part in flat_parts])
     return [jax.tree_util.tree_unflatten(treedef, part) for part in flat_parts]
 
 
@@ -445,6 +465,13 @@ def _joined_shape(
     first = group[0]
     spec, kind = _named(first).spec, _named(first).memory_kind
     for path, leaf in zip(k_paths[1:], group[1:], strict=True):
+        if isinstance(leaf, jax.Array) != isinstance(first, jax.Array):
+            what = {True: "a jax.Array", False: "a jax.ShapeDtypeStruct"}
+            raise ValueError(
+                f"{path} is {what[isinstance(leaf, jax.Array)]} but {k_paths[0]} is "
+                f"{what[isinstance(first, jax.Array)]}; the parts of one array must be all "
+                "arrays or all ShapeDtypeStructs."
+            )
         if _named(leaf).spec != spec or _named(leaf).memory_kind != kind:
             raise ValueError(
                 f"{path} has spec {_named(leaf).spec} in memory {_named(leaf).memory_kind!r}"
@@ -494,7 +521,9 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
     parts are assumed equal, as a replicated array's are; nothing is compared). No data
     crosses devices and nothing is copied. The inputs are donated: they are marked
     deleted once the result is built (not those in unpinned host memory or that
-    ``_compat.may_donate`` refuses, nor different inputs that share a buffer: those
+    ``_compat.may_donate`` refuses, nor different inputs that share a buffer, nor
+    inputs that share buffers with a live array outside the call, such as the parts
+    of ``split_by_mesh_axis`` without donation while the split array lives: those
     stay valid, and the result aliases them).
 
     Args:
@@ -568,4 +597,8 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
         return out
 
     joined = _build_then_consume([leaves for _, leaves, _ in flats], build, donate=True)
+    for _, leaves, _ in flats:
+        for leaf, out in zip(leaves, joined, strict=True):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():  # not consumed
+                _sharing.note_shared(leaf, [out])
     return jax.tree_util.tree_unflatten(treedef, joined)
