@@ -505,6 +505,24 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         pinned = ns(devs.reshape(2, -1), ("p", "d"), P(None, "d"), "pinned_host")
         parts = reshard.split_by_mesh_axis(make(empty, pinned), "p")
         check(reshard.concatenate_by_mesh_axis(parts, "p"), empty, pinned)
+        # Inputs linked by reshard (an unchanged may_alias copy) split with donation
+        # together: left valid on every process, whichever of their buffers it holds
+        # (before, a process holding none consumed both while the others kept them).
+        for where in (devs[-2:], devs):  # the last process's devices; every process's
+            g = ns(np.asarray(where).reshape(2, -1), ("p", "d"), P("p"))
+            x = owned(a, g)
+            y = reshard.reshard(x, g, may_alias=True)
+            reshard.split_by_mesh_axis([x, y], "p", donate=True)
+            expect(not x.is_deleted() and not y.is_deleted(), "linked inputs consumed")
+            check(x, a, g)
+            check(y, a, g)
+        # Two arrays made zero-copy from one host array (one buffer address where the
+        # host data is aligned, two copies where not): consumed on every process.
+        g = ns(devs.reshape(2, -1), ("p", "d"), P("p"))
+        x, y = make(a, g), make(a, g)
+        parts = reshard.split_by_mesh_axis([x, y], "p", donate=True)
+        expect(x.is_deleted() and y.is_deleted(), "inputs on one host array survived")
+        check(reshard.concatenate_by_mesh_axis(parts, "p")[1], a, g)
 
     def failure_leaves_inputs_intact() -> None:
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))

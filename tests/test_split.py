@@ -736,6 +736,13 @@ def test_round_trip_split_then_concatenate(layout, dtype, memory_kind, donate, s
 # --------------------------------------------------------------------------- shared buffers
 
 
+def _rows_and_columns():
+    """A (4, 2) mesh and an 8x8 array on it, sharded along both axes."""
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    return mesh, value, put(value, mesh, P("stage", "tp"))
+
+
 def _intact(x, want):
     """``x`` reads as valid, every shard included, and computes: a half-freed array
     would read as valid and crash the process in the jit below."""
@@ -758,9 +765,7 @@ def _consume_part(how, parts):
 def test_consuming_a_part_leaves_the_live_input_whole(how):
     # Before: the part was donated, which freed its buffers under x; x still read as
     # valid, and the next computation on x crashed the process.
-    mesh = make_mesh((4, 2), ("stage", "tp"))
-    value = np.arange(64, dtype=np.float32).reshape(8, 8)
-    x = put(value, mesh, P("stage", "tp"))
+    mesh, value, x = _rows_and_columns()
     parts = split_by_mesh_axis(x, "stage")
     out = _consume_part(how, parts)
     _intact(x, value)
@@ -770,9 +775,7 @@ def test_consuming_a_part_leaves_the_live_input_whole(how):
 
 
 def test_a_part_is_consumed_once_its_input_is_gone():
-    mesh = make_mesh((4, 2), ("stage", "tp"))
-    value = np.arange(64, dtype=np.float32).reshape(8, 8)
-    x = put(value, mesh, P("stage", "tp"))
+    mesh, value, x = _rows_and_columns()
     parts = split_by_mesh_axis(x, "stage")
     del x  # dropped: the parts are all that hold its buffers
     halves = split_by_mesh_axis(parts[1], "tp", donate=True)
@@ -787,9 +790,7 @@ def test_a_part_is_consumed_once_its_input_is_gone():
 
 
 def test_joining_every_part_keeps_the_input_and_copies_nothing():
-    mesh = make_mesh((4, 2), ("stage", "tp"))
-    value = np.arange(64, dtype=np.float32).reshape(8, 8)
-    x = put(value, mesh, P("stage", "tp"))
+    mesh, value, x = _rows_and_columns()
     parts = split_by_mesh_axis(x, "stage")
     joined = concatenate_by_mesh_axis(parts, "stage")
     _intact(x, value)
@@ -804,9 +805,7 @@ def test_joining_every_part_keeps_the_input_and_copies_nothing():
 
 @pytest.mark.parametrize("how", ["reshard_donate", "split_donate"])
 def test_consuming_the_input_leaves_its_live_parts_whole(how):
-    mesh = make_mesh((4, 2), ("stage", "tp"))
-    value = np.arange(64, dtype=np.float32).reshape(8, 8)
-    x = put(value, mesh, P("stage", "tp"))
+    mesh, value, x = _rows_and_columns()
     parts = split_by_mesh_axis(x, "stage")
     if how == "split_donate":
         split_by_mesh_axis(x, "tp", donate=True)
@@ -818,9 +817,7 @@ def test_consuming_the_input_leaves_its_live_parts_whole(how):
 
 
 def test_part_of_a_part_still_shares_with_the_whole():
-    mesh = make_mesh((4, 2), ("stage", "tp"))
-    value = np.arange(64, dtype=np.float32).reshape(8, 8)
-    x = put(value, mesh, P("stage", "tp"))
+    mesh, value, x = _rows_and_columns()
     parts = split_by_mesh_axis(x, "stage")
     quarters = split_by_mesh_axis(parts[1], "tp")
     del parts  # the middle link is gone; x still holds the quarters' buffers
@@ -871,3 +868,78 @@ def test_one_mesh_error_names_the_devices_that_differ():
         r"\[\[7, 6, 5, 4\], \[3, 2, 1, 0\]\]",
     ):
         split_by_mesh_axis([x, y], "a")
+
+
+@pytest.mark.parametrize("how", ["reshard", "plan_execute"])
+def test_a_part_donated_with_its_live_input_is_left_whole_too(how):
+    # x is left unconsumed (its other parts live), so the part in the same call, whose
+    # buffers are x's, must be too: before, it was donated and x left half-freed.
+    mesh, value, x = _rows_and_columns()
+    parts = split_by_mesh_axis(x, "stage")
+    tree = {"x": x, "p": parts[1]}
+    dst = {
+        "x": NamedSharding(mesh, P()),
+        "p": NamedSharding(Mesh(np.array(DEVICES[:2]), ("t",)), P()),
+    }
+    if how == "reshard":
+        out = reshard.reshard(tree, dst, donate=True)
+    else:
+        out = reshard.plan(tree, dst).execute(tree, donate=True)
+    _intact(x, value)
+    _intact(parts[1], value[2:4])
+    assert_bits(host(out["x"]), value)
+
+
+@pytest.mark.parametrize("how", ["split", "concatenate", "reshard"])
+def test_one_array_at_two_leaves_gives_results_that_share_buffers(how):
+    # Consumed, x hands its buffers to two results at once; consuming (a part of) one
+    # of them must leave the other whole.
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(2**18, dtype=np.float32).reshape(512, 512)  # 1 MiB: handed over
+    x = put(value, mesh, P("stage", "tp"))
+    if how == "split":
+        a, b = split_by_mesh_axis([x, x], "stage", donate=True)[1]
+        want = value[128:256]
+    elif how == "concatenate":
+        parts = split_by_mesh_axis(x, "stage", donate=True)
+        a, b = concatenate_by_mesh_axis([[p, p] for p in parts], "stage")
+        want = value
+        del parts
+    else:
+        a, b = reshard.reshard([x, x], x.sharding, donate=True)
+        want = value
+    assert x.is_deleted() and pointers(a) == pointers(b)
+    del x
+    pieces = split_by_mesh_axis(a, "tp")
+    del a  # b is all that holds its buffers, with the pieces
+    reshard.reshard(pieces[1], NamedSharding(pieces[1].sharding.mesh, P()), donate=True)
+    _intact(b, want)
+
+
+def test_parts_on_other_devices_do_not_hold_a_part_back():
+    mesh, value, x = _rows_and_columns()
+    last = split_by_mesh_axis(x, "stage")[3]  # devices 6, 7
+    first = split_by_mesh_axis(x, "stage")[0]  # devices 0, 1
+    del x
+    out = reshard.reshard(first, NamedSharding(first.sharding.mesh, P()), donate=True)
+    assert first.is_deleted()  # nothing live shares its devices
+    assert_bits(host(out), value[:2])
+    _intact(last, value[6:])
+
+
+def test_the_record_of_shared_buffers_goes_with_the_arrays():
+    import gc
+
+    from reshard import _sharing
+
+    gc.collect()
+    before = len(_sharing._group_of)
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    x = put(np.arange(64, dtype=np.float32).reshape(8, 8), mesh, P("stage", "tp"))
+    parts = split_by_mesh_axis({"a": x, "b": x}, "stage")
+    joined = concatenate_by_mesh_axis(parts, "stage")
+    y = reshard.reshard(x, x.sharding, may_alias=True)
+    assert len(_sharing._group_of) > before
+    del x, parts, joined, y
+    gc.collect()
+    assert len(_sharing._group_of) == before

@@ -237,10 +237,6 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         if donate
         else set()
     )
-    # Outputs handed an input's shards that stays valid share its buffers from now on.
-    for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True):
-        if a and lp.reused and (not donate or id(values[i]) in spared):
-            _sharing.note_shared(values[i], [out[i]])
 
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
@@ -284,6 +280,12 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         ]
         found: list[Donated] = [(v, data, keys(v) if kept else {}) for v, data in donated.values()]
         _donate(found, kept, out, takers + given, plan.avoid_devices)
+    # Outputs handed an input's shards share its buffers (consumed or not: the same
+    # input at two leaves gives two outputs on the same buffers). Recorded once the
+    # outputs are final (``_donate`` may rebuild them on new handles).
+    for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True):
+        if a and lp.reused:
+            _sharing.note_shared(values[i], [out[i]])
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

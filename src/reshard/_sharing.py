@@ -1,92 +1,154 @@
 """Which live arrays share device buffers because this library made them so.
 
-Some results are made zero-copy on the buffers of an input that stays valid: the
-parts of ``split_by_mesh_axis`` without donation, a join of such parts that could not
-be consumed, and outputs handed unchanged shards with ``may_alias=True``. JAX frees a
-buffer for every array that holds it, so consuming one of them (donating it to
-``reshard``, ``split_by_mesh_axis`` or ``concatenate_by_mesh_axis``) would free
-buffers under the other, which would still read as valid and crash the process when
-used. So each such pair is recorded here, and those functions leave an array that
-shares buffers with a live array outside the call unconsumed: it stays valid, as JAX
-leaves an argument whose donation it declines.
+Some results are made zero-copy on the buffers of an input: the parts of
+``split_by_mesh_axis`` and the join of ``concatenate_by_mesh_axis`` (every shard is an
+input's buffer), and the outputs of ``reshard`` that are handed unchanged shards
+(``may_alias=True``, or when donating). JAX frees a buffer for every array that holds
+it, so consuming one such array (donating it to ``reshard``, ``split_by_mesh_axis`` or
+``concatenate_by_mesh_axis``) while another lives would free buffers under the other,
+which would still read as valid and crash the process when used. So every such result
+is recorded here with the input it was made from, and those functions leave an array
+that shares buffers with a live, undeleted array outside the call unconsumed: it stays
+valid, as an argument whose donation JAX declines. (The same array at two leaves is
+one input: its two results share buffers with each other.)
 
-Only this library's own zero-copy results are known here. Donating a part to your
-own ``jax.jit(..., donate_argnums=...)`` still frees it under its input.
+Arrays made from one another form a *group*; two of them are taken to share buffers
+when they are in one group and have a device in common. That over-counts where a
+result holds only some of an input's shards on a device (an output handed over some
+shards of an input that it also holds new buffers beside), which only means an array
+is left unconsumed that could have been. Only this library's own results are known:
+donating a part to your own ``jax.jit(..., donate_argnums=...)`` still frees it under
+its input.
 
-The record is structural (which call made which array), not read from buffer
-addresses: every process of a multi-process job makes the same calls, so every one
-decides alike, whichever of the devices' buffers it holds.
+The record is structural (which call made which array, on which devices of its
+sharding), not read from buffer addresses, so every process of a multi-process job,
+making the same calls, decides alike whichever buffers it holds. (An array dropped on
+one process but not yet collected on another, in a reference cycle, could still tell
+them apart.)
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-# id of an array -> (a weak reference to it, weak references to the arrays it shares
-# buffers with). An entry goes when its array does.
-_links: dict[int, tuple[weakref.ref[Any], list[weakref.ref[Any]]]] = {}
+
+class _Group:
+    """Arrays made zero-copy from one another: per member id, a weak reference and
+    the ids of its sharding's devices; per device id, the members on it."""
+
+    __slots__ = ("members", "on")
+
+    def __init__(self) -> None:
+        self.members: dict[int, tuple[weakref.ref[Any], frozenset[int]]] = {}
+        self.on: dict[int, set[int]] = {}
+
+
+# id of a recorded array -> its group. An array's entries go when it does.
+_group_of: dict[int, _Group] = {}
 _lock = threading.Lock()
 
 
-def _entry(a: Any) -> tuple[weakref.ref[Any], list[weakref.ref[Any]]] | None:
-    e = _links.get(id(a))
-    return e if e is not None and e[0]() is a else None
-
-
-def _live(refs: Iterable[weakref.ref[Any]]) -> list[Any]:
-    return [h for r in refs if (h := r()) is not None]
-
-
 def _forget(key: int) -> Callable[[weakref.ref[Any]], None]:
-    def forget(_: weakref.ref[Any]) -> None:  # called as the array goes
-        _links.pop(key, None)
+    def forget(_: weakref.ref[Any]) -> None:  # called as the array goes; takes no lock
+        group = _group_of.pop(key, None)
+        entry = None if group is None else group.members.pop(key, None)
+        if group is not None and entry is not None:
+            for d in entry[1]:
+                group.on.get(d, set()).discard(key)
 
     return forget
 
 
-def _link(a: Any, b: Any) -> None:
-    e = _entry(a)
-    if e is None:
-        key = id(a)
-        e = _links[key] = (weakref.ref(a, _forget(key)), [])
-    others = [h for h in _live(e[1]) if h is not b]
-    e[1][:] = [weakref.ref(h) for h in others] + [weakref.ref(b)]
+def _group(a: Any) -> _Group | None:
+    """``a``'s group, where ``a`` itself (not an earlier array of its id) is recorded."""
+    group = _group_of.get(id(a))
+    entry = None if group is None else group.members.get(id(a))
+    return group if entry is not None and entry[0]() is a else None
 
 
-def shares_with(a: Any) -> list[Any]:
-    """The live arrays ``a`` shares buffers with (as recorded)."""
-    with _lock:
-        e = _entry(a)
-        return [] if e is None else _live(e[1])
+def _add(a: Any, group: _Group) -> None:
+    key = id(a)
+    devices = frozenset(d.id for d in a.sharding.device_set)
+    group.members[key] = (weakref.ref(a, _forget(key)), devices)
+    for d in devices:
+        group.on.setdefault(d, set()).add(key)
+    _group_of[key] = group
+
+
+def _merge(a: _Group, b: _Group) -> _Group:
+    """One group of the members of both (the smaller moves)."""
+    big, small = (a, b) if len(a.members) >= len(b.members) else (b, a)
+    for key, (ref, devices) in list(small.members.items()):
+        if ref() is None:
+            continue
+        big.members[key] = (ref, devices)
+        for d in devices:
+            big.on.setdefault(d, set()).add(key)
+        _group_of[key] = big
+    small.members.clear()
+    small.on.clear()
+    return big
 
 
 def note_shared(origin: Any, derived: Sequence[Any]) -> None:
-    """Records that ``derived`` hold buffers of ``origin``, which stays valid: each then
-    shares buffers with ``origin`` and with whatever ``origin`` shares them with (a
-    part of a part shares with the whole). Over-counts where only some buffers are
-    common (two splits of one array along different axes), which only means an array
-    is left unconsumed that could have been."""
+    """Records that ``derived`` were made zero-copy on buffers of ``origin`` (which may
+    have been consumed since: a deleted array shares nothing)."""
     with _lock:
-        e = _entry(origin)
-        related = [origin, *([] if e is None else _live(e[1]))]
+        group = _group(origin)
+        if group is None:
+            group = _Group()
+            _add(origin, group)
         for d in derived:
-            for r in related:
-                if r is not d:
-                    _link(d, r)
-                    _link(r, d)
+            if d is origin:
+                continue
+            other = _group(d)
+            if other is None:
+                _add(d, group)
+            elif other is not group:
+                group = _merge(group, other)
 
 
-def shared_elsewhere(arrays: Sequence[Any]) -> set[int]:
-    """ids of those ``arrays`` that share buffers with a live, undeleted array not
-    among them: consuming one would free buffers under that array."""
-    if not _links:
+def _partners(a: Any, group: _Group) -> list[Any]:
+    """The live, undeleted arrays of ``a``'s group on a device of ``a``."""
+    _, devices = group.members[id(a)]
+    keys: set[int] = set()
+    for d in devices:
+        keys.update(group.on.get(d, ()))
+    keys.discard(id(a))
+    found = []
+    for key in keys:
+        entry = group.members.get(key)
+        h = None if entry is None else entry[0]()
+        if h is not None and not h.is_deleted():
+            found.append(h)
+    return found
+
+
+def shared_elsewhere(arrays: Sequence[Any], *, among_them: bool = False) -> set[int]:
+    """ids of those ``arrays`` that must not be consumed: each shares buffers with a
+    live, undeleted array not among them, or with one of ``arrays`` that must not be
+    (consuming it would free buffers under that one); with ``among_them``, also each
+    that shares buffers with another of ``arrays`` (for callers that cannot consume
+    two such arrays together)."""
+    if not _group_of:
         return set()
-    ids = {id(a) for a in arrays}
-    return {
-        id(a)
-        for a in arrays
-        if any(id(h) not in ids and not h.is_deleted() for h in shares_with(a))
-    }
+    with _lock:
+        ids = {id(a) for a in arrays}
+        partners: dict[int, list[Any]] = {}
+        for a in arrays:
+            group = _group(a)
+            if group is not None and id(a) not in partners:
+                partners[id(a)] = _partners(a, group)
+        spared = {
+            i for i, hs in partners.items() if any(among_them or id(h) not in ids for h in hs)
+        }
+        todo = list(spared)
+        while todo:
+            for h in partners.get(todo.pop(), ()):
+                if id(h) in ids and id(h) not in spared:
+                    spared.add(id(h))
+                    todo.append(id(h))
+        return spared

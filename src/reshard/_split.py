@@ -23,9 +23,9 @@ failure happens before an input is invalidated. Arrays in unpinned host memory a
 consumed: XLA runs nothing on them (the donating call aborts the process, jax 0.10 on
 CPU), so they stay valid and the result aliases them, as without donation; nor are
 pinned-host arrays that JAX types as device memory (``_compat.may_donate``). Nor are
-different input arrays that share a buffer (see ``_consume``), nor inputs that share
-buffers with a live array outside the call (``_sharing``: the parts of a split without
-donation and the array they came from), whose buffers would be freed under it.
+inputs that share buffers with another live array that this library made so, in the
+call or not (``_sharing``: the parts of a split without donation and the array they
+came from, say), whose buffers would be freed under it (see ``_consume``).
 """
 
 from __future__ import annotations
@@ -236,35 +236,49 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     (``_compat.may_donate``: unpinned host memory, or pinned host memory that JAX
     itself describes as device memory) are returned as they are: on CPU, jax 0.10, the
     donating call aborts the process.
-    So are different arrays that share a buffer here (parts of one array at two
-    leaves, an array and what was handed its buffers): donating both would donate
-    that buffer twice (XLA refuses, or crashes), and donating one would leave the
-    other on a freed buffer. Sharing is seen in this process's buffers only, by
-    (device, address): two arrays made zero-copy from one host array count as
-    sharing (left undonated, harmlessly), and across processes one that holds none
-    of such inputs' devices consumes them while the others keep them valid.
+    So are arrays that share buffers with another live array, in the call or not (the
+    parts of one array at two leaves, an array and what was handed its buffers, a part
+    of a split while the split array lives): donating both would donate a buffer
+    twice (XLA refuses, or crashes), and donating one would free buffers under the
+    other. Which ones is read from what this library made (``_sharing``), not from this
+    process's buffers, so that every process of a multi-process job consumes the same
+    arrays, whichever buffers it holds.
+
+    Arrays whose buffers share an address here without that record (two arrays made
+    zero-copy from one host array) are donated in separate calls; JAX copies a buffer
+    it does not own. Where JAX declines a donation (a numpy view of the buffer alive,
+    say), it copies that buffer instead: the copy replaces the input, and the input is
+    deleted all the same, as on every other process.
     """
     distinct = {id(a): a for a in arrays}
-    keys = {i: _compat.buffer_keys(a) for i, a in distinct.items() if _compat.may_donate(a)}
-    holders = collections.Counter(k for ks in keys.values() for k in ks)
-    shared = {i for i, ks in keys.items() if any(holders[k] > 1 for k in ks)}
-    # ...and arrays that share buffers with a live array outside this call (the parts of
-    # a split without donation, and the array they came from): left unconsumed too.
-    shared |= _sharing.shared_elsewhere([distinct[i] for i in keys])
-    unique = [a for i, a in distinct.items() if i in keys and i not in shared]
-    if not unique:
-        return list(arrays)
+    donatable = [a for a in distinct.values() if _compat.may_donate(a)]
+    linked = _sharing.shared_elsewhere(donatable, among_them=True)
+    unique = [a for a in donatable if id(a) not in linked]
     swap = {}
-    for a, b in zip(unique, _compat.donating_identity(unique), strict=True):
-        if not a.is_deleted():
-            # Partly donated; or, in a process that holds none of its devices, nothing
-            # here to donate, so JAX leaves it as it was: deleted all the same, as on
-            # the processes that hold its buffers.
-            shards = a.addressable_shards
-            if not shards or any(s.data.is_deleted() for s in shards):
+    for batch in _apart(unique):
+        for a, b in zip(batch, _compat.donating_identity(batch), strict=True):
+            if not a.is_deleted():
+                # Declined (some buffers copied), or nothing here to donate (no device of
+                # it on this process): deleted all the same, as on every process.
                 a.delete()
-        swap[id(a)] = b if a.is_deleted() else a
+            swap[id(a)] = b
     return [swap.get(id(a), a) for a in arrays]
+
+
+def _apart(arrays: Sequence[jax.Array]) -> list[list[jax.Array]]:
+    """``arrays`` in batches, in order, no two of a batch on one buffer address here
+    (one donating call must not take a buffer twice)."""
+    batches: list[tuple[list[jax.Array], set[tuple[int, int]]]] = []
+    for a in arrays:
+        keys = _compat.buffer_keys(a).keys()
+        for batch, used in batches:
+            if used.isdisjoint(keys):
+                batch.append(a)
+                used.update(keys)
+                break
+        else:
+            batches.append(([a], set(keys)))
+    return [batch for batch, _ in batches]
 
 
 def _build_then_consume(
@@ -358,9 +372,8 @@ def split_by_mesh_axis(
         ``[2, 3]`` on an axis of size 4 gives parts ``[0:2]``, ``[2:3]``, ``[3:4]``.
       donate: consume the inputs: they are marked deleted once the parts are built
         (not those in unpinned host memory or that ``_compat.may_donate`` refuses,
-        nor different inputs that share a buffer, nor inputs that share buffers
-        with a live array outside the call, such as the parts of an earlier split:
-        those stay valid). Either way no buffer is copied; by default the parts
+        nor inputs that share buffers with another live array reshard made so, in
+        the call or not, such as the parts of an earlier split: those stay valid). Either way no buffer is copied; by default the parts
         alias the inputs, which then stay valid however the parts are used here
         (``reshard``, ``split_by_mesh_axis`` and ``concatenate_by_mesh_axis`` do not
         consume a part while its input lives; donating one to your own ``jax.jit``
@@ -426,7 +439,7 @@ def split_by_mesh_axis(
 
     flat_parts = _build_then_consume([leaves], build, donate)
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():  # not consumed
+        if isinstance(leaf, jax.Array):  # (consumed or not: see _sharing)
             _sharing.note_shared(leaf, [part[i] for part in flat_parts])
     return [jax.tree_util.tree_unflatten(treedef, part) for part in flat_parts]
 
@@ -521,10 +534,10 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
     parts are assumed equal, as a replicated array's are; nothing is compared). No data
     crosses devices and nothing is copied. The inputs are donated: they are marked
     deleted once the result is built (not those in unpinned host memory or that
-    ``_compat.may_donate`` refuses, nor different inputs that share a buffer, nor
-    inputs that share buffers with a live array outside the call, such as the parts
-    of ``split_by_mesh_axis`` without donation while the split array lives: those
-    stay valid, and the result aliases them).
+    ``_compat.may_donate`` refuses, nor inputs that share buffers with another live
+    array reshard made so, in the call or not, such as the parts of
+    ``split_by_mesh_axis`` without donation while the split array lives: those stay
+    valid, and the result aliases them).
 
     Args:
       array_trees: pytrees of one structure; each holds ``jax.Array``s (or
@@ -599,6 +612,6 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
     joined = _build_then_consume([leaves for _, leaves, _ in flats], build, donate=True)
     for _, leaves, _ in flats:
         for leaf, out in zip(leaves, joined, strict=True):
-            if isinstance(leaf, jax.Array) and not leaf.is_deleted():  # not consumed
+            if isinstance(leaf, jax.Array):  # (consumed or not: see _sharing)
                 _sharing.note_shared(leaf, [out])
     return jax.tree_util.tree_unflatten(treedef, joined)
