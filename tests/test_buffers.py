@@ -40,7 +40,7 @@ def test_blocks_return_only_when_every_view_is_gone():
 
 def test_carve_gives_aligned_disjoint_buffers_of_one_block():
     sizes = [0, 1, 63, 64, 100, 4096]
-    bufs = carve(sizes)
+    (bufs,) = carve([sizes])
     assert [b.nbytes for b in bufs] == sizes and carve([]) == []
     starts = [b.ctypes.data for b in bufs]
     assert all(p % 64 == 0 for p in starts)
@@ -158,3 +158,41 @@ def test_host_executor_chooses_copy_into_loop_from_shapes_alone(data, itemsize):
 
     s, d = src[box(full_src)], dst[box(full_dst)]
     assert copy_mode(piece, full_src, full_dst, itemsize) == _buffers.row_item(d, s)
+
+
+def test_carve_gives_each_array_its_block_and_tiny_arrays_shared_ones():
+    # Before, one block held every small shard of a call: an output array kept alive
+    # (a norm kept for logging) kept all of them, call after call.
+    from reshard import _buffers
+
+    tiny = [[4096] * 2] * 20  # 8 KiB per array: eight arrays share a 64 KiB block
+    medium = [[300 << 10] * 4] * 3  # 1.2 MiB per array: a block each
+    bufs = carve([*tiny, [], *medium])
+    assert [[b.nbytes for b in g] for g in bufs] == [*tiny, [], *medium]
+    for group in bufs[21:]:
+        assert len({id(b.base) for b in group}) == 1
+        assert group[0].base.nbytes - _buffers.ALIGN <= _buffers.align_up(300 << 10) * 4
+    shared = {id(g[0].base) for g in bufs[:20]}
+    assert len(shared) == 3  # 20 arrays of 8 KiB in blocks of up to 64 KiB
+    assert all(len({id(b.base) for b in g}) == 1 for g in bufs[:20])
+    assert not shared & {id(g[0].base) for g in bufs[21:]}
+
+
+def test_pool_reuses_a_slightly_larger_block_for_varying_sizes():
+    pool = HostPool(limit_bytes=1 << 30)
+    a = pool.take(1_000_000)
+    del a
+    gc.collect()
+    b = pool.take(960_000)  # within 1/8: the warm block serves it
+    assert pool.hits == 1 and b.nbytes == 960_000 and b.ctypes.data % 64 == 0
+    del b
+    gc.collect()
+    c = pool.take(800_000)  # more than 1/8 smaller: a block of its own
+    assert pool.hits == 1 and pool.misses == 2
+    d = pool.take(1_000_000)  # its exact size is free again
+    assert pool.hits == 2
+    del c, d
+    gc.collect()
+    assert pool.cached_bytes >= 1_800_000
+    pool.clear()
+    assert pool.cached_bytes == 0 and pool.take(1_000_000).nbytes == 1_000_000

@@ -90,7 +90,7 @@ def reshard(
         donating too. See ``Plan.execute``.
       cache_resharding_plans: keep the plan in a bounded LRU cache keyed by avals,
         shardings and options, so repeated calls do not plan again. Compiled
-        programs are shared by equal plans either way (the last 1024, each freed when
+        programs are shared by equal plans either way (the last 256, each freed when
         dropped), so calls do not compile again even without it.
       executor: ``"auto"`` (default), ``"host"`` (CPU only), ``"device"`` or
         ``"collective"``; see ``reshard.plan``.

@@ -595,9 +595,9 @@ def _destinations(
     """Per position and array, the destination blocks this process builds (not handed
     over), written once each; from the pool of warm blocks, since fresh memory costs a
     page fault per 4 KiB. Blocks under ``local.SMALL_SHARD_BYTES`` are carved out of
-    one pooled block, as the local executor does: a pool lease costs ~10 us, hundreds
-    of them in a model. Every position of this process has a dict, so the unpacking
-    threads never add one."""
+    a pooled block per array (``_buffers.carve``), as the local executor does.
+    Every position of this process has a dict, so the unpacking threads never add
+    one."""
     sched: HostSchedule = program.host
     outs: dict[int, dict[int, np.ndarray]] = {}
     small: list[tuple[dict[int, np.ndarray], int, int]] = []  # (its dict, array, bytes)
@@ -615,8 +615,14 @@ def _destinations(
                 small.append((mine, li, nbytes))
             else:
                 mine[li] = host_empty(block, dtype)
-    for (mine, li, _), raw in zip(small, carve([n for _, _, n in small]), strict=True):
-        mine[li] = raw.view(program.dtypes[li]).reshape(program.leaves[li].dst_block)
+    per_array: dict[int, list[tuple[dict[int, np.ndarray], int]]] = defaultdict(list)
+    for mine, li, nbytes in small:
+        per_array[li].append((mine, nbytes))
+    groups = list(per_array.items())
+    carved = carve([[n for _, n in members] for _, members in groups])
+    for (li, members), raws in zip(groups, carved, strict=True):
+        for (mine, _), raw in zip(members, raws, strict=True):
+            mine[li] = raw.view(program.dtypes[li]).reshape(program.leaves[li].dst_block)
     return outs
 
 

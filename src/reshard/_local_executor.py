@@ -18,6 +18,7 @@ exists, so a failure part-way loses no input.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from collections import defaultdict
@@ -126,10 +127,10 @@ def _fill(
     return out
 
 
-# Shards below this size are carved out of one shared allocation per call: a
-# separate aligned allocation costs several microseconds, which dominates for trees
-# of many small leaves. Larger shards get their own memory, so freeing an output leaf
-# frees its big buffers.
+# Shards below this size are carved out of a shared allocation per array (or per run
+# of tiny arrays, ``_buffers.carve``): an allocation per shard costs ~1 us, which
+# would weigh on trees of many small leaves. Larger shards get their own memory, so
+# freeing an output leaf frees its big buffers.
 SMALL_SHARD_BYTES = 1 << 20
 # Copies of large shards run on a few threads: numpy releases the GIL while copying.
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -188,13 +189,15 @@ def run_host(
         this process, in the order of the sharding's addressable devices.
       alias: per array, whether its unchanged shards are handed over without a copy.
     """
-    small = iter(
+    small = itertools.chain.from_iterable(
         carve(
             [
-                job.nbytes[di]
+                [
+                    job.nbytes[di]
+                    for di, _ in tg
+                    if job.nbytes[di] < SMALL_SHARD_BYTES and not (a and di in job.reused)
+                ]
                 for job, tg, a in zip(jobs, targets, alias, strict=True)
-                for di, _ in tg
-                if job.nbytes[di] < SMALL_SHARD_BYTES and not (a and di in job.reused)
             ]
         )
     )

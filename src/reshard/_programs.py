@@ -3,12 +3,15 @@
 A plan rebuilt for each call (``cache_resharding_plans=False``, the default) would
 otherwise compile its programs again each time (seconds for the device-packed path),
 and a cache without a bound would keep every program a workload whose shapes keep
-changing ever compiled (~0.3-1.3 MB of host memory each on CPU). Each entry holds
-one executable (a compiled program, or a jitted function called with one set of
-input avals); least recently used out. A dropped entry frees its executable with it.
-The device executor takes two entries per device per plan (its cut and build
-programs), so 1024 entries hold the programs of 64 plans over 8 devices; a plan in
-the plan cache also holds its own, and never compiles them again.
+changing ever compiled. Each entry holds one executable (a compiled program, or a
+jitted function called with one set of input avals); least recently used out. A
+dropped entry frees its executable with it. An entry costs host memory: ~0.3-1.3 MB
+for small programs, ~1.65 MB on average for the device executor's programs of a
+50-array tree on CPU (measured as a loop of changing shapes filled the cache: 1024
+entries took ~1.7 GB, so the bound is 256, ~0.4 GB at most). The device executor
+takes two entries per device per plan (its cut and build programs), so 256 entries
+hold the programs of 16 plans over 8 devices; a plan in the plan cache also holds
+its own, and never compiles them again.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-PROGRAM_CACHE_SIZE = 1024
+PROGRAM_CACHE_SIZE = 256
 _programs: OrderedDict[Hashable, Any] = OrderedDict()
 _lock = threading.Lock()
 
