@@ -523,6 +523,15 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         parts = reshard.split_by_mesh_axis([x, y], "p", donate=True)
         expect(x.is_deleted() and y.is_deleted(), "inputs on one host array survived")
         check(reshard.concatenate_by_mesh_axis(parts, "p")[1], a, g)
+        # Two handles on the same buffers (made by hand, unrecorded): copied, then
+        # consumed on every process, with no donation of a buffer already donated.
+        x = owned(a, g)
+        y = jax.make_array_from_single_device_arrays(
+            x.shape, g, [s.data for s in x.addressable_shards], dtype=x.dtype
+        )
+        parts = reshard.split_by_mesh_axis([x, y], "p", donate=True)
+        expect(x.is_deleted() and y.is_deleted(), "twin handles survived")
+        check(reshard.concatenate_by_mesh_axis(parts, "p")[1], a, g)
 
     def failure_leaves_inputs_intact() -> None:
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))

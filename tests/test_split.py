@@ -943,3 +943,46 @@ def test_the_record_of_shared_buffers_goes_with_the_arrays():
     del x, parts, joined, y
     gc.collect()
     assert len(_sharing._group_of) == before
+
+
+@pytest.mark.parametrize("how", ["split", "concatenate"])
+def test_two_handles_on_one_buffer_are_consumed_without_a_crash(how):
+    # Before: the second donation ran on buffers the first had freed (segfault).
+    mesh, value, x = _rows_and_columns()
+    y = jax.make_array_from_single_device_arrays(
+        x.shape, x.sharding, [s.data for s in x.addressable_shards]
+    )
+    if how == "split":
+        parts = split_by_mesh_axis([x, y], "stage", donate=True)
+        got = [host(p[1]) for p in parts]
+        assert_bits(np.concatenate(got), value)
+    else:
+        halves = split_by_mesh_axis(x, "stage", 2, donate=True)
+        twins = [
+            [
+                h,
+                jax.make_array_from_single_device_arrays(
+                    h.shape, h.sharding, [s.data for s in h.addressable_shards]
+                ),
+            ]
+            for h in halves
+        ]
+        joined = concatenate_by_mesh_axis(twins, "stage")
+        assert_array(joined[1], value, NamedSharding(mesh, P("stage", "tp")))
+        x, y = twins[0]
+    assert x.is_deleted() and y.is_deleted()  # consumed, as on every process
+
+
+def test_a_spared_donated_input_hands_no_shard_to_its_output():
+    # x stays valid (its parts live), so its output must be a copy: handing shards
+    # over would let the user's next donating step free them under x and the parts.
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    value = np.arange(2**18, dtype=np.float32).reshape(512, 512)  # 1 MiB: handed over
+    x = put(value, mesh, P("stage", "tp"))
+    parts = split_by_mesh_axis(x, "stage")
+    y = reshard.reshard(x, x.sharding, donate=True)  # every shard stays: all kept
+    assert not x.is_deleted()
+    assert not set(pointers(y).values()) & set(pointers(x).values())
+    jax.jit(lambda a: a * 2, donate_argnums=0)(y)  # the next step consumes y
+    _intact(x, value)
+    _intact(parts[0], value[:128])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import Any
 
 import jax
@@ -147,7 +147,21 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         sources[j] = fixed
     dst_shardings = [_moved_sharding(leaf) for _, leaf in planned]
 
-    alias = aliases(plan, donate=donate, may_alias=may_alias)
+    # Inputs that share buffers with a live array outside x (a part of a split without
+    # donation, or the array such parts came from) are not consumed: freeing their
+    # buffers would free them under that array too (see ``_sharing``). Nor do they
+    # hand shards over (unless may_alias=True): the output is a copy, as undonated.
+    spared = (
+        _sharing.shared_elsewhere([v for v in values if isinstance(v, jax.Array)])
+        if donate
+        else set()
+    )
+    alias = aliases(
+        plan,
+        donate=donate,
+        may_alias=may_alias,
+        spared={j for j, (i, _) in enumerate(planned) if id(values[i]) in spared},
+    )
     if not planned:
         moved: list[jax.Array] = []
     elif not plan.crosses_processes and jax.process_index() not in plan.processes:
@@ -229,15 +243,6 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         for i, arr in zip(host, placed, strict=True):
             out[i] = arr
 
-    # Inputs that share buffers with a live array outside x (a part of a split without
-    # donation, or the array such parts came from) are not consumed: freeing their
-    # buffers would free them under that array too (see ``_sharing``).
-    spared = (
-        _sharing.shared_elsewhere([v for v in values if isinstance(v, jax.Array)])
-        if donate
-        else set()
-    )
-
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
         # Each donated array (by identity) with its data (key data for key arrays).
@@ -294,12 +299,16 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
 HANDOVER_BYTES = 1 << 20
 
 
-def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
+def aliases(
+    plan: Plan, *, donate: bool, may_alias: bool | None, spared: Set[int] = frozenset()
+) -> list[bool]:
     """Per planned array: whether its destination shards that equal a source shard on
     the same device are handed over (the output holds that very buffer) or copied.
 
     Decided from the plan and the options alone, so every process decides alike (the
-    collective executor's programs depend on it):
+    collective executor's programs depend on it), and from ``spared``: the planned
+    arrays that donating leaves unconsumed (``_sharing``, structural: alike on every
+    process too), which are treated as not donated:
 
     - ``may_alias=False``: copied.
     - Donating: handed over where they hold ``HANDOVER_BYTES`` or more; the input is
@@ -317,10 +326,10 @@ def aliases(plan: Plan, *, donate: bool, may_alias: bool | None) -> list[bool]:
       them, including the leaves whose layout the sync keeps.
     """
     out = []
-    for leaf, lp in zip(plan.planned_leaves, plan.leaf_plans, strict=True):
+    for j, (leaf, lp) in enumerate(zip(plan.planned_leaves, plan.leaf_plans, strict=True)):
         if may_alias is False or not lp.reused:
             out.append(False)
-        elif donate:
+        elif donate and j not in spared:
             kept = sum(volume(lp.spec.dst[di].box) for di, _ in lp.reused) * lp.spec.itemsize
             src = leaf.src_sharding
             out.append(

@@ -111,44 +111,56 @@ def note_shared(origin: Any, derived: Sequence[Any]) -> None:
                 group = _merge(group, other)
 
 
-def _partners(a: Any, group: _Group) -> list[Any]:
-    """The live, undeleted arrays of ``a``'s group on a device of ``a``."""
-    _, devices = group.members[id(a)]
-    keys: set[int] = set()
-    for d in devices:
-        keys.update(group.on.get(d, ()))
-    keys.discard(id(a))
-    found = []
-    for key in keys:
-        entry = group.members.get(key)
-        h = None if entry is None else entry[0]()
-        if h is not None and not h.is_deleted():
-            found.append(h)
-    return found
-
-
 def shared_elsewhere(arrays: Sequence[Any], *, among_them: bool = False) -> set[int]:
     """ids of those ``arrays`` that must not be consumed: each shares buffers with a
     live, undeleted array not among them, or with one of ``arrays`` that must not be
     (consuming it would free buffers under that one); with ``among_them``, also each
     that shares buffers with another of ``arrays`` (for callers that cannot consume
-    two such arrays together)."""
+    two such arrays together). Linear in the members of the groups involved."""
     if not _group_of:
         return set()
     with _lock:
         ids = {id(a) for a in arrays}
-        partners: dict[int, list[Any]] = {}
+        mine: dict[int, tuple[_Group, frozenset[int]]] = {}
         for a in arrays:
             group = _group(a)
-            if group is not None and id(a) not in partners:
-                partners[id(a)] = _partners(a, group)
-        spared = {
-            i for i, hs in partners.items() if any(among_them or id(h) not in ids for h in hs)
-        }
+            if group is not None:
+                mine[id(a)] = (group, group.members[id(a)][1])
+        # Per (group, device): the ids of its live, undeleted members there.
+        live: dict[tuple[int, int], list[int]] = {}
+
+        def on(group: _Group, d: int) -> list[int]:
+            found = live.get((id(group), d))
+            if found is None:
+                found = live[(id(group), d)] = []
+                for key in group.on.get(d, ()):
+                    entry = group.members.get(key)
+                    h = None if entry is None else entry[0]()
+                    if h is not None and not h.is_deleted():
+                        found.append(key)
+            return found
+
+        outside: dict[tuple[int, int], bool] = {}
+        spared = set()
+        for i, (group, devices) in mine.items():
+            for d in devices:
+                members = on(group, d)
+                if (id(group), d) not in outside:
+                    outside[(id(group), d)] = any(k not in ids for k in members)
+                if outside[(id(group), d)] or (among_them and len(members) > 1):
+                    spared.add(i)
+                    break
+        # What shares a device of a spared array's group with it is spared too.
+        done: set[tuple[int, int]] = set()
         todo = list(spared)
         while todo:
-            for h in partners.get(todo.pop(), ()):
-                if id(h) in ids and id(h) not in spared:
-                    spared.add(id(h))
-                    todo.append(id(h))
+            group, devices = mine[todo.pop()]
+            for d in devices:
+                if (id(group), d) in done:
+                    continue
+                done.add((id(group), d))
+                for k in on(group, d):
+                    if k in mine and k not in spared:
+                        spared.add(k)
+                        todo.append(k)
         return spared

@@ -244,41 +244,36 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     process's buffers, so that every process of a multi-process job consumes the same
     arrays, whichever buffers it holds.
 
-    Arrays whose buffers share an address here without that record (two arrays made
-    zero-copy from one host array) are donated in separate calls; JAX copies a buffer
-    it does not own. Where JAX declines a donation (a numpy view of the buffer alive,
+    Arrays that share a buffer address here without that record (two handles made on
+    one array's shards, or zero-copy from one host array) cannot go through one
+    donating call, nor one after the other (the first would free the buffer under the
+    second): they are copied, and then deleted, so that they end consumed as on every
+    other process. Where JAX declines a donation (a numpy view of the buffer alive,
     say), it copies that buffer instead: the copy replaces the input, and the input is
-    deleted all the same, as on every other process.
+    deleted all the same.
     """
     distinct = {id(a): a for a in arrays}
     donatable = [a for a in distinct.values() if _compat.may_donate(a)]
     linked = _sharing.shared_elsewhere(donatable, among_them=True)
     unique = [a for a in donatable if id(a) not in linked]
-    swap = {}
-    for batch in _apart(unique):
-        for a, b in zip(batch, _compat.donating_identity(batch), strict=True):
+    keys = [_compat.buffer_keys(a).keys() for a in unique]
+    holders = collections.Counter(k for ks in keys for k in ks)
+    tied = [a for a, ks in zip(unique, keys, strict=True) if any(holders[k] > 1 for k in ks)]
+    alone = [a for a, ks in zip(unique, keys, strict=True) if all(holders[k] == 1 for k in ks)]
+    swap: dict[int, jax.Array] = {}
+    if tied:
+        copies = jax.device_put(tied, [a.sharding for a in tied], may_alias=False)
+        for a, b in zip(tied, copies, strict=True):
+            a.delete()
+            swap[id(a)] = b
+    if alone:
+        for a, b in zip(alone, _compat.donating_identity(alone), strict=True):
             if not a.is_deleted():
                 # Declined (some buffers copied), or nothing here to donate (no device of
                 # it on this process): deleted all the same, as on every process.
                 a.delete()
             swap[id(a)] = b
     return [swap.get(id(a), a) for a in arrays]
-
-
-def _apart(arrays: Sequence[jax.Array]) -> list[list[jax.Array]]:
-    """``arrays`` in batches, in order, no two of a batch on one buffer address here
-    (one donating call must not take a buffer twice)."""
-    batches: list[tuple[list[jax.Array], set[tuple[int, int]]]] = []
-    for a in arrays:
-        keys = _compat.buffer_keys(a).keys()
-        for batch, used in batches:
-            if used.isdisjoint(keys):
-                batch.append(a)
-                used.update(keys)
-                break
-        else:
-            batches.append(([a], set(keys)))
-    return [batch for batch, _ in batches]
 
 
 def _build_then_consume(
