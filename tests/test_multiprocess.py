@@ -532,6 +532,29 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         parts = reshard.split_by_mesh_axis([x, y], "p", donate=True)
         expect(x.is_deleted() and y.is_deleted(), "twin handles survived")
         check(reshard.concatenate_by_mesh_axis(parts, "p")[1], a, g)
+        # The split array dropped into a reference cycle, collected on process 0 only:
+        # every process must still consume the parts alike (each collects before it
+        # spares anything), and the join then moves with donation on every process.
+        import gc
+
+        class Box:
+            def __init__(self, v: Any) -> None:
+                self.v, self.me = v, self
+
+        x = owned(a, g)
+        parts = reshard.split_by_mesh_axis(x, "p")
+        Box(x)
+        del x
+        gc.disable()
+        try:
+            if me == 0:
+                gc.collect()
+            y = reshard.concatenate_by_mesh_axis(parts, "p")
+        finally:
+            gc.enable()
+        expect(all(p.is_deleted() for p in parts), "parts of a collected array kept")
+        dst = ns(devs[::-1], ("r",), P("r"))
+        check(reshard.reshard(y, dst, donate=True), a, dst)
 
     def failure_leaves_inputs_intact() -> None:
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))

@@ -986,3 +986,23 @@ def test_a_spared_donated_input_hands_no_shard_to_its_output():
     jax.jit(lambda a: a * 2, donate_argnums=0)(y)  # the next step consumes y
     _intact(x, value)
     _intact(parts[0], value[:128])
+
+
+def test_an_unreachable_input_not_yet_collected_does_not_hold_a_part_back():
+    import gc
+
+    class Box:  # a reference cycle: only the cycle collector frees it
+        def __init__(self, x):
+            self.x, self.me = x, self
+
+    mesh, value, x = _rows_and_columns()
+    parts = split_by_mesh_axis(x, "stage")
+    Box(x)
+    del x
+    gc.disable()
+    try:
+        out = reshard.reshard(parts[0], NamedSharding(parts[0].sharding.mesh, P()), donate=True)
+    finally:
+        gc.enable()
+    assert parts[0].is_deleted()  # x was garbage: collected, and the part consumed
+    assert_bits(host(out), value[:2])

@@ -29,6 +29,7 @@ them apart.)
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -116,9 +117,23 @@ def shared_elsewhere(arrays: Sequence[Any], *, among_them: bool = False) -> set[
     live, undeleted array not among them, or with one of ``arrays`` that must not be
     (consuming it would free buffers under that one); with ``among_them``, also each
     that shares buffers with another of ``arrays`` (for callers that cannot consume
-    two such arrays together). Linear in the members of the groups involved."""
+    two such arrays together). Linear in the members of the groups involved.
+
+    An array no longer reachable but not yet collected (in a reference cycle) would
+    count as live, and one process may have collected it while another has not: so
+    where any array would be spared, the garbage is collected (a full ``gc.collect()``,
+    tens of ms in a large program, only on this path) and the record read again. Every
+    process then decides by what is truly live."""
     if not _group_of:
         return set()
+    spared = _shared_elsewhere(arrays, among_them)
+    if spared:
+        gc.collect()
+        spared = _shared_elsewhere(arrays, among_them)
+    return spared
+
+
+def _shared_elsewhere(arrays: Sequence[Any], among_them: bool) -> set[int]:
     with _lock:
         ids = {id(a) for a in arrays}
         mine: dict[int, tuple[_Group, frozenset[int]]] = {}
@@ -133,7 +148,9 @@ def shared_elsewhere(arrays: Sequence[Any], *, among_them: bool = False) -> set[
             found = live.get((id(group), d))
             if found is None:
                 found = live[(id(group), d)] = []
-                for key in group.on.get(d, ()):
+                # (A snapshot: an array going in another thread leaves its group
+                # without the lock, see _forget.)
+                for key in tuple(group.on.get(d, ())):
                     entry = group.members.get(key)
                     h = None if entry is None else entry[0]()
                     if h is not None and not h.is_deleted():
