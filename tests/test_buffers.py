@@ -165,7 +165,7 @@ def test_carve_gives_each_array_its_block_and_tiny_arrays_shared_ones():
     # (a norm kept for logging) kept all of them, call after call.
     from reshard import _buffers
 
-    tiny = [[4096] * 2] * 20  # 8 KiB per array: eight arrays share a 64 KiB block
+    tiny = [[16 << 10] * 2] * 20  # 32 KiB per array: eight share a 256 KiB block
     medium = [[300 << 10] * 4] * 3  # 1.2 MiB per array: a block each
     bufs = carve([*tiny, [], *medium])
     assert [[b.nbytes for b in g] for g in bufs] == [*tiny, [], *medium]
@@ -173,7 +173,7 @@ def test_carve_gives_each_array_its_block_and_tiny_arrays_shared_ones():
         assert len({id(b.base) for b in group}) == 1
         assert group[0].base.nbytes - _buffers.ALIGN <= _buffers.align_up(300 << 10) * 4
     shared = {id(g[0].base) for g in bufs[:20]}
-    assert len(shared) == 3  # 20 arrays of 8 KiB in blocks of up to 64 KiB
+    assert len(shared) == 3  # 20 arrays of 32 KiB in blocks of up to 256 KiB
     assert all(len({id(b.base) for b in g}) == 1 for g in bufs[:20])
     assert not shared & {id(g[0].base) for g in bufs[21:]}
 
@@ -196,3 +196,27 @@ def test_pool_reuses_a_slightly_larger_block_for_varying_sizes():
     assert pool.cached_bytes >= 1_800_000
     pool.clear()
     assert pool.cached_bytes == 0 and pool.take(1_000_000).nbytes == 1_000_000
+
+
+@pytest.mark.timeout(60, method="thread")  # a deadlock blocks signals: end the run
+def test_a_lease_going_in_a_collection_inside_the_pool_does_not_deadlock():
+    # Any allocation under the pool's lock may start a garbage collection, which may
+    # free a cycle holding another lease; giving that back took the lock again (a
+    # deadlock: found by review, in the previous versions too).
+    class Holder:
+        pass
+
+    pool = HostPool(limit_bytes=64 << 10)  # small: blocks are evicted too
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        for i in range(2000):
+            v = pool.take(4096 + 64 * (i % 50))
+            h = Holder()
+            h.me, h.view = h, pool.take(4096)
+            del h, v
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert 0 < pool.cached_bytes <= 64 << 10
+    assert not pool._pending and not pool._out
