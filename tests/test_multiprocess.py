@@ -506,16 +506,24 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         parts = reshard.split_by_mesh_axis(make(empty, pinned), "p")
         check(reshard.concatenate_by_mesh_axis(parts, "p"), empty, pinned)
         # Inputs linked by reshard (an unchanged may_alias copy) split with donation
-        # together: left valid on every process, whichever of their buffers it holds
-        # (before, a process holding none consumed both while the others kept them).
+        # together: consumed alike on every process, whichever of their buffers it
+        # holds (before, a process holding none consumed both while the others kept
+        # them); and both kept alike while a part of x lives.
         for where in (devs[-2:], devs):  # the last process's devices; every process's
             g = ns(np.asarray(where).reshape(2, -1), ("p", "d"), P("p"))
             x = owned(a, g)
             y = reshard.reshard(x, g, may_alias=True)
+            parts = reshard.split_by_mesh_axis([x, y], "p", donate=True)
+            expect(x.is_deleted() and y.is_deleted(), "linked inputs survived")
+            check(reshard.concatenate_by_mesh_axis(parts, "p")[1], a, g)
+            x = owned(a, g)
+            y = reshard.reshard(x, g, may_alias=True)
+            kept = reshard.split_by_mesh_axis(x, "d")
             reshard.split_by_mesh_axis([x, y], "p", donate=True)
-            expect(not x.is_deleted() and not y.is_deleted(), "linked inputs consumed")
+            expect(not x.is_deleted() and not y.is_deleted(), "inputs with live parts consumed")
             check(x, a, g)
             check(y, a, g)
+            del kept
         # Two arrays made zero-copy from one host array (one buffer address where the
         # host data is aligned, two copies where not): consumed on every process.
         g = ns(devs.reshape(2, -1), ("p", "d"), P("p"))
@@ -576,6 +584,35 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         assert not x.is_deleted()
         check(x, a, src)
         check(reshard.reshard(x, dst, donate=True), a, dst)  # and it can be retried
+
+    def agreement_leaves_avoided_devices_out() -> None:
+        # Recovering from lost devices: the check that every process built the same
+        # plan ran an all-gather over every device, lost ones included (on real
+        # hardware it would fail or hang there). Now it runs on one device per process,
+        # none of them lost; a process with no device left takes no part.
+        src = ns(devs.reshape(2, -1), ("r", "f"), P("f"))  # replicated over r
+        lost = [d.id for d in devs.reshape(2, -1)[1][:2]]  # two devices of the 2nd row
+        dst = ns(devs.reshape(2, -1)[0], ("f",), P("f"))
+        whole = [d.id for d in devs.reshape(2, -1)[1]]  # the second call avoids these
+        used: list[list[int]] = []
+        original = _collective_executor._gather
+
+        def spy(mine: Any, devices: Any) -> Any:
+            used[-1].extend(d.id for d in devices)
+            return original(mine, devices)
+
+        _collective_executor._gather = spy
+        try:
+            used.append([])
+            check(reshard.recover(make(a, src), dst, lost_devices=lost), a, dst)
+            used.append([])
+            check(reshard.reshard(make(a, src), dst, avoid_devices=whole), a, dst)
+        finally:
+            _collective_executor._gather = original
+        for ids, avoided in zip(used, (lost, whole), strict=True):
+            alive_here = any(d.process_index == me and d.id not in avoided for d in devs)
+            if set(ids) & set(avoided) or (alive_here and not ids):
+                MISMATCHES.append(f"agreed over devices {ids}, avoiding {avoided}")
 
     def different_arguments_raise_on_every_process() -> None:
         # Process 0 asks for another layout than the others: a broken contract that
@@ -860,6 +897,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             donation_frees_sources_after_success,
             donation_keeps_what_outputs_hold,
             failure_leaves_inputs_intact,
+            agreement_leaves_avoided_devices_out,
             different_arguments_raise_on_every_process,
             a_call_failing_on_one_process_is_not_paired_with_its_next,
             calls_in_another_order_raise_on_every_process,
@@ -1044,6 +1082,7 @@ SCENARIOS = [
     "donation_frees_sources_after_success",
     "donation_keeps_what_outputs_hold",
     "failure_leaves_inputs_intact",
+    "agreement_leaves_avoided_devices_out",
     "different_arguments_raise_on_every_process",
     "a_call_failing_on_one_process_is_not_paired_with_its_next",
     "calls_in_another_order_raise_on_every_process",

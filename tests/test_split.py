@@ -1006,3 +1006,52 @@ def test_an_unreachable_input_not_yet_collected_does_not_hold_a_part_back():
         gc.enable()
     assert parts[0].is_deleted()  # x was garbage: collected, and the part consumed
     assert_bits(host(out), value[:2])
+
+
+def test_a_hand_made_handle_beside_a_kept_array_stays_too():
+    # x stays (its parts live); h, made by hand on x's buffers (not in the record),
+    # must stay as well: consuming it would free x's buffers. Before: split deleted x,
+    # h and a part of x, then raised.
+    mesh, value, x = _rows_and_columns()
+    parts = split_by_mesh_axis(x, "stage")
+    h = jax.make_array_from_single_device_arrays(
+        x.shape, x.sharding, [s.data for s in x.addressable_shards]
+    )
+    split_by_mesh_axis([x, h], "tp", donate=True)
+    reshard.reshard({"x": x, "h": h}, {"x": x.sharding, "h": x.sharding}, donate=True)
+    _intact(x, value)
+    _intact(h, value)
+    _intact(parts[0], value[:2])
+
+
+def test_a_failing_consume_leaves_every_input_intact(monkeypatch):
+    from reshard import _compat
+
+    mesh, value, x = _rows_and_columns()
+    y = jax.make_array_from_single_device_arrays(  # a second handle: both copied
+        x.shape, x.sharding, [s.data for s in x.addressable_shards]
+    )
+    z = put(value, mesh, P("stage", "tp"))  # alone: donated
+    original = _compat.donating_identity
+
+    def broken(arrays):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(_compat, "donating_identity", broken)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        split_by_mesh_axis([x, y, z], "stage", donate=True)
+    monkeypatch.setattr(_compat, "donating_identity", original)
+    for a in (x, y, z):
+        _intact(a, value)
+
+
+def test_linked_inputs_of_one_call_are_consumed_as_by_reshard():
+    mesh, value, x = _rows_and_columns()
+    y = reshard.reshard(x, x.sharding, may_alias=True)
+    parts = split_by_mesh_axis([x, y], "stage", donate=True)
+    assert x.is_deleted() and y.is_deleted()  # copied, then deleted (as reshard does)
+    assert_bits(np.concatenate([host(p[1]) for p in parts]), value)
+    x2 = put(value, mesh, P("stage", "tp"))
+    y2 = reshard.reshard(x2, x2.sharding, may_alias=True)
+    reshard.reshard([x2, y2], NamedSharding(mesh, P()), donate=True)
+    assert x2.is_deleted() and y2.is_deleted()

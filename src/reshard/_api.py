@@ -23,7 +23,7 @@ from . import _collective_common, _compat, _programs
 from ._errors import DataLossError
 from ._execute import _whole_copy, device_peak_extra, execute_plan, traced_leaf
 from ._geometry import box_from_index
-from ._mesh_surgery import device_id
+from ._mesh_surgery import device_id, device_ranges
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan, plan_processes
 from ._planner import LeafSpec, ShardSpec, plan_leaves
 
@@ -80,14 +80,15 @@ def reshard(
       donate: consume the sources once the whole pytree has been moved (they then
         read as deleted); an array keeping 1 MiB or more in device memory hands those
         shards over without a copy. A failure frees nothing. An array sharing buffers
-        with a live array that reshard made zero-copy (a ``may_alias=True`` output, a
-        part of ``split_by_mesh_axis``, or what it came from) is left valid instead.
+        with a live array outside ``x`` that reshard made zero-copy (a
+        ``may_alias=True`` output, a part of ``split_by_mesh_axis``, or what it came
+        from) is left valid instead, and its output is a copy.
       may_alias: ``None`` copies shards that stay on their device (handing them over
         only when donating), so the result shares no buffer with ``x``, even where
         nothing changes (``jax.device_put`` would return ``x`` itself there), as
         Pathways returns a copy. ``True`` hands such shards over always (donating
-        ``x`` to a jitted step later frees them under the output); ``False`` copies them always, when
-        donating too. See ``Plan.execute``.
+        ``x`` to a jitted step later frees them under the output); ``False`` copies
+        them always, when donating too. See ``Plan.execute``.
       cache_resharding_plans: keep the plan in a bounded LRU cache keyed by avals,
         shardings and options, so repeated calls do not plan again. Compiled
         programs are shared by equal plans either way (the last 256, each freed when
@@ -509,7 +510,7 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices")
     if unknown:
         raise ValueError(
             f"{what} names device id(s) {sorted(unknown)} that JAX does not have "
-            f"(jax.devices() has {len(jax.devices())} devices)"
+            f"(its ids: {device_ranges(sorted(_all_device_ids()))})"
         )
     return frozenset(ids)
 

@@ -14,7 +14,7 @@ sorted order) share a block. With few devices every block is one device.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ._geometry import volume
+from ._mesh_surgery import device_ranges as device_ranges
 from ._plan import human_bytes
 from ._planner import LeafPlan, PlanStats
 
@@ -33,25 +34,6 @@ MAX_DEVICE_ROWS = 16
 _SHADES = ("·", "░", "▒", "▓", "█")
 _ASCII_SHADES = (".", ":", "+", "#", "@")
 _COLOURS = ("grey35", "#3b528b", "#21918c", "#5ec962", "#fde725")  # viridis, dark to light
-
-
-def device_ranges(ids: Iterable[int]) -> str:
-    """``[0, 1, 2, 3, 8]`` -> ``'0-3,8'``: the compact form ``reshard plan`` also reads.
-
-    The ids keep their order, which is the layout on a mesh: ``[3, 2, 0, 1]`` ->
-    ``'3,2,0-1'``, which ``--src-devices`` reads back as the same list. Only ascending
-    runs become ranges (``reshard plan`` reads ``7-0`` as a mistake).
-    """
-    out: list[str] = []
-    given = list(ids)
-    i = 0
-    while i < len(given):
-        j = i
-        while j + 1 < len(given) and given[j + 1] == given[j] + 1:
-            j += 1
-        out.append(str(given[i]) if i == j else f"{given[i]}-{given[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _blocks(ids: Sequence[int], max_blocks: int) -> list[list[int]]:

@@ -154,6 +154,8 @@ class CollectiveProgram:
                 "plan and execute with the same JAX runtime"
             )
         self.devices = [by_id[i] for i in ids]
+        self.avoid = avoid
+        self.platform = platform
         self.position = {d: k for k, d in enumerate(ids)}
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self.block_sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
@@ -403,13 +405,21 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
     """
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     kinds = repr([getattr(s, "memory_kind", None) for s in shardings]).encode()
     mine = np.frombuffer(hashlib.sha256(program.fingerprint + kinds).digest()[:16], np.uint32)
-    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    # Over one device per process, none of them to avoid: an all-gather over every
+    # device (multihost_utils.process_allgather) would run on lost devices. A process
+    # with no device left runs none of the plan's programs, and takes no part.
+    reps: dict[int, Any] = {}
+    for d in sorted(jax.devices(program.platform), key=lambda d: d.id):
+        if d.id not in program.avoid:
+            reps.setdefault(d.process_index, d)
+    if jax.process_index() not in reps:
+        return
+    processes = sorted(reps)
+    everyone = _gather(mine, [reps[p] for p in processes]).reshape(len(processes), -1)
     groups: dict[bytes, list[int]] = {}
-    for p, fingerprint in enumerate(everyone):
+    for p, fingerprint in zip(processes, everyone, strict=True):
         groups.setdefault(fingerprint.tobytes(), []).append(p)
     if len(groups) > 1:
         raise ValueError(
@@ -419,6 +429,33 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
             "pass the same pytree, avals, source and destination shardings (built from "
             "the global jax.devices()) and options, in the same order of calls"
         )
+
+
+def _gather(mine: np.ndarray, devices: Sequence[Any]) -> np.ndarray:
+    """Every process's ``mine`` (same shape and type), in the order of ``devices`` (one
+    per process, this process's among them): one all-gather over those devices."""
+    mesh = Mesh(np.array(devices), ("p",))
+    sharding = NamedSharding(mesh, PartitionSpec("p"))
+    (local,) = [d for d in devices if d.process_index == jax.process_index()]
+
+    def build() -> Any:
+        return jax.jit(
+            jax.shard_map(
+                # (Each device's block of the output is the whole gather.)
+                lambda v: lax.all_gather(v, "p", tiled=True),
+                mesh=mesh,
+                in_specs=PartitionSpec("p"),
+                out_specs=PartitionSpec("p"),
+            )
+        )
+
+    fn = _programs.shared(
+        ("agree", tuple(d.id for d in devices), mine.shape, str(mine.dtype)), build
+    )
+    x = jax.make_array_from_single_device_arrays(
+        (len(devices) * mine.size,), sharding, [jax.device_put(mine.ravel(), local)]
+    )
+    return np.asarray(fn(x).addressable_shards[0].data)
 
 
 def _platform(shardings: Sequence[jax.sharding.Sharding]) -> str | None:

@@ -151,11 +151,14 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     # donation, or the array such parts came from) are not consumed: freeing their
     # buffers would free them under that array too (see ``_sharing``). Nor do they
     # hand shards over (unless may_alias=True): the output is a copy, as undonated.
-    spared = (
-        _sharing.shared_elsewhere([v for v in values if isinstance(v, jax.Array)])
-        if donate
-        else set()
-    )
+    given_arrays = [v for v in values if isinstance(v, jax.Array)] if donate else []
+    spared = _sharing.shared_elsewhere(given_arrays)
+    if spared:
+        # A handle made by hand on a spared array's buffers (not in the record) stays
+        # too: read from this process's buffers, so only here.
+        addresses = {id(v): _compat.buffer_keys(_data(v)).keys() for v in given_arrays}
+        staying = {k for i in spared for k in addresses[i]}
+        spared |= {i for i, ks in addresses.items() if not staying.isdisjoint(ks)}
     alias = aliases(
         plan,
         donate=donate,

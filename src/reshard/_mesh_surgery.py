@@ -50,6 +50,25 @@ def device_id(d: Any) -> int:
     return int(i)
 
 
+def device_ranges(ids: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``'0-3,8'``: the compact form ``reshard plan`` also reads.
+
+    The ids keep their order, which is the layout on a mesh: ``[3, 2, 0, 1]`` ->
+    ``'3,2,0-1'``, which ``--src-devices`` reads back as the same list. Only ascending
+    runs become ranges (``reshard plan`` reads ``7-0`` as a mistake).
+    """
+    out: list[str] = []
+    given = list(ids)
+    i = 0
+    while i < len(given):
+        j = i
+        while j + 1 < len(given) and given[j + 1] == given[j] + 1:
+            j += 1
+        out.append(str(given[i]) if i == j else f"{given[i]}-{given[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 def grid_ids(devices: np.ndarray) -> np.ndarray:
     """The integer ids of a device grid, as an int64 array of the same shape."""
     if devices.dtype.kind in "iu":
@@ -354,8 +373,9 @@ def _as_devices(items: Iterable[Any], mesh: Mesh) -> list[Any]:
             by_id = by_id or {x.id: x for x in jax.devices(platform)}
             if int(d) not in by_id:
                 raise ValueError(
-                    f"grow_mesh: no {platform} device has id {int(d)} (ids {min(by_id)}.."
-                    f"{max(by_id)} exist); pass devices, or ids of devices JAX has"
+                    f"grow_mesh: no {platform} device has id {int(d)} (ids "
+                    f"{device_ranges(sorted(by_id))} exist); pass devices, or ids of devices "
+                    "JAX has"
                 )
             d = by_id[int(d)]
         out.append(d)

@@ -94,8 +94,9 @@ class Plan:
             (never before: a failure leaves every input intact); they then read as
             deleted. An array that keeps ``_execute.HANDOVER_BYTES`` (1 MiB) or more
             in device memory on its devices hands those shards to the output without
-            a copy. An array that shares buffers with a live array this library made
-            zero-copy (``_sharing``: a part of a split, say) stays valid instead.
+            a copy. An array that shares buffers with a live array outside ``x`` that
+            this library made zero-copy (``_sharing``: a part of a split, say) stays
+            valid instead.
           may_alias: for shards that stay on their device: ``None`` copies them
             unless donating, so the output shares no buffer with the input, even an
             array that does not change (``jax.device_put`` would return the input

@@ -112,12 +112,17 @@ def note_shared(origin: Any, derived: Sequence[Any]) -> None:
                 group = _merge(group, other)
 
 
-def shared_elsewhere(arrays: Sequence[Any], *, among_them: bool = False) -> set[int]:
-    """ids of those ``arrays`` that must not be consumed: each shares buffers with a
-    live, undeleted array not among them, or with one of ``arrays`` that must not be
-    (consuming it would free buffers under that one); with ``among_them``, also each
-    that shares buffers with another of ``arrays`` (for callers that cannot consume
-    two such arrays together). Linear in the members of the groups involved.
+def shared_elsewhere(arrays: Sequence[Any]) -> set[int]:
+    """ids of those ``arrays`` that must not be consumed (``sharing``'s first set)."""
+    return sharing(arrays)[0]
+
+
+def sharing(arrays: Sequence[Any]) -> tuple[set[int], set[int]]:
+    """``(spared, linked)``: ids of those ``arrays`` that must not be consumed, each
+    sharing buffers with a live, undeleted array not among them, or with one of
+    ``arrays`` that must not be (consuming it would free buffers under that one); and
+    ids of the others that share buffers with another of ``arrays`` (which one
+    donating call cannot take together). Linear in the members of the groups involved.
 
     An array no longer reachable but not yet collected (in a reference cycle) would
     count as live, and one process may have collected it while another has not: so
@@ -125,15 +130,15 @@ def shared_elsewhere(arrays: Sequence[Any], *, among_them: bool = False) -> set[
     tens of ms in a large program, only on this path) and the record read again. Every
     process then decides by what is truly live."""
     if not _group_of:
-        return set()
-    spared = _shared_elsewhere(arrays, among_them)
+        return set(), set()
+    spared, linked = _sharing(arrays)
     if spared:
         gc.collect()
-        spared = _shared_elsewhere(arrays, among_them)
-    return spared
+        spared, linked = _sharing(arrays)
+    return spared, linked
 
 
-def _shared_elsewhere(arrays: Sequence[Any], among_them: bool) -> set[int]:
+def _sharing(arrays: Sequence[Any]) -> tuple[set[int], set[int]]:
     with _lock:
         ids = {id(a) for a in arrays}
         mine: dict[int, tuple[_Group, frozenset[int]]] = {}
@@ -159,14 +164,17 @@ def _shared_elsewhere(arrays: Sequence[Any], among_them: bool) -> set[int]:
 
         outside: dict[tuple[int, int], bool] = {}
         spared = set()
+        linked = set()
         for i, (group, devices) in mine.items():
             for d in devices:
                 members = on(group, d)
                 if (id(group), d) not in outside:
                     outside[(id(group), d)] = any(k not in ids for k in members)
-                if outside[(id(group), d)] or (among_them and len(members) > 1):
+                if outside[(id(group), d)]:
                     spared.add(i)
                     break
+                if len(members) > 1:
+                    linked.add(i)
         # What shares a device of a spared array's group with it is spared too.
         done: set[tuple[int, int]] = set()
         todo = list(spared)
@@ -180,4 +188,4 @@ def _shared_elsewhere(arrays: Sequence[Any], among_them: bool) -> set[int]:
                     if k in mine and k not in spared:
                         spared.add(k)
                         todo.append(k)
-        return spared
+        return spared, linked - spared

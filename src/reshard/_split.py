@@ -227,52 +227,47 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     """Donates ``arrays``: returns arrays on the same buffers; the inputs become deleted.
 
     All ``arrays`` must live on one device set (one jit call). An array listed twice is
-    donated once. Where JAX declines a donation (for example while a numpy view of the
-    buffer is alive) it copies instead and leaves the input valid; the input is then
-    returned as is, so nothing is held twice. Where it declines for some buffers only
-    (a numpy view of one shard), it donates the others and the input, not marked
-    deleted, has lost them: the fresh array (donated buffers and copies) replaces it,
-    and the input is deleted. Arrays a donating program must not take
-    (``_compat.may_donate``: unpinned host memory, or pinned host memory that JAX
-    itself describes as device memory) are returned as they are: on CPU, jax 0.10, the
-    donating call aborts the process.
-    So are arrays that share buffers with another live array, in the call or not (the
-    parts of one array at two leaves, an array and what was handed its buffers, a part
-    of a split while the split array lives): donating both would donate a buffer
-    twice (XLA refuses, or crashes), and donating one would free buffers under the
-    other. Which ones is read from what this library made (``_sharing``), not from this
-    process's buffers, so that every process of a multi-process job consumes the same
-    arrays, whichever buffers it holds.
+    donated once. Where JAX declines a donation, for some buffers or all (a numpy view
+    of a shard alive, say), it copies those instead: the fresh array replaces the
+    input, and the input is deleted all the same, as on every other process. Arrays a
+    donating program must not take (``_compat.may_donate``: unpinned host memory, or
+    pinned host memory that JAX itself describes as device memory) are returned as
+    they are: on CPU, jax 0.10, the donating call aborts the process.
 
-    Arrays that share a buffer address here without that record (two handles made on
-    one array's shards, or zero-copy from one host array) cannot go through one
-    donating call, nor one after the other (the first would free the buffer under the
-    second): they are copied, and then deleted, so that they end consumed as on every
-    other process. Where JAX declines a donation (a numpy view of the buffer alive,
-    say), it copies that buffer instead: the copy replaces the input, and the input is
-    deleted all the same.
+    So are arrays that share buffers with a live array outside the call (a part of a
+    split while the split array lives): consuming them would free buffers under it.
+    Arrays that share buffers only with others of the call (one array's parts at two
+    leaves, an array and what was handed its buffers) cannot go through one donating
+    call, nor one after the other (the first would free the buffers under the
+    second): they are copied, and then all deleted. Which arrays share is read from
+    what this library made (``_sharing``), not from this process's buffers, so that
+    every process of a multi-process job consumes the same arrays whichever buffers
+    it holds; sharing seen here without that record (handles made by hand on one
+    array's shards, arrays made zero-copy from one host array) is handled the same
+    way, here only: with an array that stays, the array stays too, else both are
+    copied.
+
+    Nothing is deleted before the copies and the donating call have run: a failure of
+    either leaves every input as it was.
     """
     distinct = {id(a): a for a in arrays}
     donatable = [a for a in distinct.values() if _compat.may_donate(a)]
-    linked = _sharing.shared_elsewhere(donatable, among_them=True)
-    unique = [a for a in donatable if id(a) not in linked]
-    keys = [_compat.buffer_keys(a).keys() for a in unique]
-    holders = collections.Counter(k for ks in keys for k in ks)
-    tied = [a for a, ks in zip(unique, keys, strict=True) if any(holders[k] > 1 for k in ks)]
-    alone = [a for a, ks in zip(unique, keys, strict=True) if all(holders[k] == 1 for k in ks)]
+    spared, linked = _sharing.sharing(donatable)
+    keys = {id(a): _compat.buffer_keys(a).keys() for a in donatable}
+    staying = {k for i in spared for k in keys[i]}
+    rest = [a for a in donatable if id(a) not in spared and staying.isdisjoint(keys[id(a)])]
+    holders = collections.Counter(k for a in rest for k in keys[id(a)])
+    tied = [a for a in rest if id(a) in linked or any(holders[k] > 1 for k in keys[id(a)])]
+    alone = [a for a in rest if not (id(a) in linked or any(holders[k] > 1 for k in keys[id(a)]))]
+    copies = jax.device_put(tied, [a.sharding for a in tied], may_alias=False) if tied else []
+    fresh = _compat.donating_identity(alone) if alone else []
     swap: dict[int, jax.Array] = {}
-    if tied:
-        copies = jax.device_put(tied, [a.sharding for a in tied], may_alias=False)
-        for a, b in zip(tied, copies, strict=True):
+    for a, b in zip([*tied, *alone], [*copies, *fresh], strict=True):
+        if not a.is_deleted():
+            # Copied; declined (some buffers copied); or nothing here to donate (no
+            # device of it on this process): deleted all the same, as on every process.
             a.delete()
-            swap[id(a)] = b
-    if alone:
-        for a, b in zip(alone, _compat.donating_identity(alone), strict=True):
-            if not a.is_deleted():
-                # Declined (some buffers copied), or nothing here to donate (no device of
-                # it on this process): deleted all the same, as on every process.
-                a.delete()
-            swap[id(a)] = b
+        swap[id(a)] = b
     return [swap.get(id(a), a) for a in arrays]
 
 
@@ -367,9 +362,12 @@ def split_by_mesh_axis(
         ``[2, 3]`` on an axis of size 4 gives parts ``[0:2]``, ``[2:3]``, ``[3:4]``.
       donate: consume the inputs: they are marked deleted once the parts are built
         (not those in unpinned host memory or that ``_compat.may_donate`` refuses,
-        nor inputs that share buffers with another live array reshard made so, in
-        the call or not, such as the parts of an earlier split: those stay valid). Either way no buffer is copied; by default the parts
-        alias the inputs, which then stay valid however the parts are used here
+        nor inputs that share buffers with a live array outside the call, such as
+        the parts of an earlier split: those stay valid). No buffer is copied,
+        except those of inputs that share buffers with another input of the call
+        (one array and its ``may_alias=True`` copy, say): they are copied, then
+        consumed. By default the parts alias the inputs, which then stay valid
+        however the parts are used here
         (``reshard``, ``split_by_mesh_axis`` and ``concatenate_by_mesh_axis`` do not
         consume a part while its input lives; donating one to your own ``jax.jit``
         frees its buffers under the input too).
@@ -527,12 +525,12 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
     given; an array sharded along ``mesh_axis`` has its parts concatenated along the
     dimension that names the axis; an array replicated along it keeps its shape (its
     parts are assumed equal, as a replicated array's are; nothing is compared). No data
-    crosses devices and nothing is copied. The inputs are donated: they are marked
+    crosses devices and nothing is copied (but inputs that share buffers with another
+    input of the call: copied, then consumed). The inputs are donated: they are marked
     deleted once the result is built (not those in unpinned host memory or that
-    ``_compat.may_donate`` refuses, nor inputs that share buffers with another live
-    array reshard made so, in the call or not, such as the parts of
-    ``split_by_mesh_axis`` without donation while the split array lives: those stay
-    valid, and the result aliases them).
+    ``_compat.may_donate`` refuses, nor inputs that share buffers with a live array
+    outside the call, such as the parts of ``split_by_mesh_axis`` without donation
+    while the split array lives: those stay valid, and the result aliases them).
 
     Args:
       array_trees: pytrees of one structure; each holds ``jax.Array``s (or
