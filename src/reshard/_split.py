@@ -23,9 +23,10 @@ failure happens before an input is invalidated. Arrays in unpinned host memory a
 consumed: XLA runs nothing on them (the donating call aborts the process, jax 0.10 on
 CPU), so they stay valid and the result aliases them, as without donation; nor are
 pinned-host arrays that JAX types as device memory (``_compat.may_donate``). Nor are
-inputs that share buffers with another live array that this library made so, in the
-call or not (``_sharing``: the parts of a split without donation and the array they
-came from, say), whose buffers would be freed under it (see ``_consume``).
+inputs that share buffers with a live array outside the call that this library made
+so (``_sharing``: the parts of a split without donation and the array they came from,
+say), whose buffers would be freed under it; inputs that share buffers with each
+other are copied, then consumed (see ``_consume``).
 """
 
 from __future__ import annotations
