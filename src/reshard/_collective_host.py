@@ -600,7 +600,8 @@ def _destinations(
     one."""
     sched: HostSchedule = program.host
     outs: dict[int, dict[int, np.ndarray]] = {}
-    small: list[tuple[dict[int, np.ndarray], int, int]] = []  # (its dict, array, bytes)
+    # Per array with small blocks: the dict of each position that needs one.
+    small: dict[int, list[dict[int, np.ndarray]]] = defaultdict(list)
     for li, sharding in enumerate(shardings):
         block, dtype = program.leaves[li].dst_block, program.dtypes[li]
         nbytes = math.prod(block) * dtype.itemsize
@@ -612,16 +613,15 @@ def _destinations(
             if (li, pos) in sched.arrive_whole:  # the arriving chunk is the block
                 continue
             if nbytes < local.SMALL_SHARD_BYTES:
-                small.append((mine, li, nbytes))
+                small[li].append(mine)
             else:
                 mine[li] = host_empty(block, dtype)
-    per_array: dict[int, list[tuple[dict[int, np.ndarray], int]]] = defaultdict(list)
-    for mine, li, nbytes in small:
-        per_array[li].append((mine, nbytes))
-    groups = list(per_array.items())
-    carved = carve([[n for _, n in members] for _, members in groups])
-    for (li, members), raws in zip(groups, carved, strict=True):
-        for (mine, _), raw in zip(members, raws, strict=True):
+    sizes = {
+        li: math.prod(program.leaves[li].dst_block) * program.dtypes[li].itemsize for li in small
+    }
+    carved = carve([[sizes[li]] * len(mines) for li, mines in small.items()])
+    for (li, mines), raws in zip(small.items(), carved, strict=True):
+        for mine, raw in zip(mines, raws, strict=True):
             mine[li] = raw.view(program.dtypes[li]).reshape(program.leaves[li].dst_block)
     return outs
 

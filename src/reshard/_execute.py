@@ -154,11 +154,9 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
     given_arrays = [v for v in values if isinstance(v, jax.Array)] if donate else []
     spared = _sharing.shared_elsewhere(given_arrays)
     if spared:
-        # A handle made by hand on a spared array's buffers (not in the record) stays
-        # too: read from this process's buffers, so only here.
-        addresses = {id(v): _compat.buffer_keys(_data(v)).keys() for v in given_arrays}
-        staying = {k for i in spared for k in addresses[i]}
-        spared |= {i for i, ks in addresses.items() if not staying.isdisjoint(ks)}
+        spared = _sharing.with_handles(
+            spared, {id(v): _compat.buffer_keys(_data(v)).keys() for v in given_arrays}
+        )
     alias = aliases(
         plan,
         donate=donate,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 
@@ -110,6 +110,15 @@ def note_shared(origin: Any, derived: Sequence[Any]) -> None:
                 _add(d, group)
             elif other is not group:
                 group = _merge(group, other)
+
+
+def with_handles(spared: set[int], addresses: Mapping[int, Collection[Any]]) -> set[int]:
+    """``spared`` and the ids whose buffer ``addresses`` (this process's, per array id)
+    meet a spared array's: a handle made by hand on a spared array's buffers is not
+    in the record, and consuming it would free them under that array. Read from this
+    process's buffers, so decided here only."""
+    staying = {k for i in spared for k in addresses[i]}
+    return spared | {i for i, ks in addresses.items() if not staying.isdisjoint(ks)}
 
 
 def shared_elsewhere(arrays: Sequence[Any]) -> set[int]:

@@ -255,11 +255,12 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     donatable = [a for a in distinct.values() if _compat.may_donate(a)]
     spared, linked = _sharing.sharing(donatable)
     keys = {id(a): _compat.buffer_keys(a).keys() for a in donatable}
-    staying = {k for i in spared for k in keys[i]}
-    rest = [a for a in donatable if id(a) not in spared and staying.isdisjoint(keys[id(a)])]
+    spared = _sharing.with_handles(spared, keys)
+    rest = [a for a in donatable if id(a) not in spared]
     holders = collections.Counter(k for a in rest for k in keys[id(a)])
-    tied = [a for a in rest if id(a) in linked or any(holders[k] > 1 for k in keys[id(a)])]
-    alone = [a for a in rest if not (id(a) in linked or any(holders[k] > 1 for k in keys[id(a)]))]
+    is_tied = {id(a): id(a) in linked or any(holders[k] > 1 for k in keys[id(a)]) for a in rest}
+    tied = [a for a in rest if is_tied[id(a)]]
+    alone = [a for a in rest if not is_tied[id(a)]]
     copies = jax.device_put(tied, [a.sharding for a in tied], may_alias=False) if tied else []
     fresh = _compat.donating_identity(alone) if alone else []
     swap: dict[int, jax.Array] = {}
