@@ -538,6 +538,40 @@ def test_concatenate_error_not_a_sequence():
         concatenate_by_mesh_axis({"a": 1}, "stage")
 
 
+def test_concatenate_takes_any_iterable_in_order():
+    a = np.arange(4, dtype=np.float32)
+    b = 10 + np.arange(4, dtype=np.float32)
+    left = make_mesh((2, 2), ("stage", "tp"), [0, 1, 2, 3])
+    right = make_mesh((2, 2), ("stage", "tp"), [4, 5, 6, 7])
+    parts = [put(a, left, P("stage")), put(b, right, P("stage"))]
+    joined = concatenate_by_mesh_axis((p for p in parts), "stage")
+    mesh = make_mesh((4, 2), ("stage", "tp"))
+    assert_array(joined, np.concatenate([a, b]), NamedSharding(mesh, P("stage")))
+
+
+@pytest.mark.parametrize("not_trees", [np.ones(2), "ab", 3], ids=["ndarray", "str", "int"])
+def test_concatenate_error_not_a_sequence_of_trees(not_trees):
+    with pytest.raises(ValueError, match="array_trees must be a sequence of pytrees, got"):
+        concatenate_by_mesh_axis(not_trees, "stage")
+
+
+def test_logical_device_ids_are_refused_by_split_and_concatenate():
+    # Such a sharding does not lay its shards out by the mesh's device array: cutting
+    # the mesh would hand out the wrong shards, so both functions refuse it.
+    mesh = make_mesh((2, 4), ("stage", "fsdp"))
+    sharding = NamedSharding(mesh, P("stage"), _logical_device_ids=tuple(range(7, -1, -1)))
+    value = np.arange(16, dtype=np.float32)
+    x = _owned_copy(jax.device_put(value, sharding))
+    message = r"arrays\[0\] has a NamedSharding with _logical_device_ids set"
+    with pytest.raises(ValueError, match=message):
+        split_by_mesh_axis([x], "stage", donate=True)
+    other = put(value, make_mesh((2, 4), ("stage", "fsdp")), P("stage"))
+    with pytest.raises(ValueError, match=r"array_trees\[1\] has a NamedSharding with _logical"):
+        concatenate_by_mesh_axis([other, x], "stage")
+    assert not x.is_deleted() and not other.is_deleted()
+    np.testing.assert_array_equal(np.asarray(x), value)
+
+
 def test_concatenate_error_different_structures():
     a, b = _two_parts()
     with pytest.raises(

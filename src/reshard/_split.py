@@ -36,7 +36,7 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import jax
@@ -115,6 +115,14 @@ def _flatten_named(tree: Any, what: str) -> tuple[list[str], list[Leaf], Any]:
             raise ValueError(
                 f"{where} has sharding {leaf.sharding!r}; only NamedSharding can be split "
                 "or concatenated along a mesh axis. Reshard it to a NamedSharding first."
+            )
+        if getattr(leaf.sharding, "_logical_device_ids", None) is not None:
+            # The shards of such a sharding are not laid out by the mesh's device array,
+            # so cutting the mesh would hand out the wrong shards.
+            raise ValueError(
+                f"{where} has a NamedSharding with _logical_device_ids set; only "
+                "shardings laid out by their mesh can be split or concatenated along a "
+                "mesh axis. Reshard it to NamedSharding(mesh, spec) first."
             )
         if not isinstance(leaf.sharding.mesh, Mesh):
             raise ValueError(
@@ -378,8 +386,9 @@ def split_by_mesh_axis(
       A list with one pytree per part, each of the structure of ``arrays``.
 
     Raises:
-      ValueError: a leaf is not an array with a ``NamedSharding``, the leaves' meshes
-        differ, ``mesh_axis`` is not a mesh axis, or the sections are invalid.
+      ValueError: a leaf is not an array with a ``NamedSharding`` (or has one with
+        ``_logical_device_ids`` set), the leaves' meshes differ, ``mesh_axis`` is not a
+        mesh axis, or the sections are invalid.
 
     Example:
       >>> import jax, numpy as np
@@ -519,7 +528,7 @@ def _joined_shape(
 
 
 @_compat.moving_bytes()
-def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
+def concatenate_by_mesh_axis(array_trees: Iterable[Any], mesh_axis: str) -> Any:
     """Joins pytrees living on adjacent sub-meshes into one pytree on their union.
 
     The inverse of :func:`split_by_mesh_axis`: the meshes (same axis names, same sizes
@@ -535,8 +544,9 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
     while the split array lives: those stay valid, and the result aliases them).
 
     Args:
-      array_trees: pytrees of one structure; each holds ``jax.Array``s (or
-        ``jax.ShapeDtypeStruct``s) with a ``NamedSharding`` on one mesh per pytree.
+      array_trees: a sequence (or any other iterable, such as a generator) of pytrees
+        of one structure; each holds ``jax.Array``s (or ``jax.ShapeDtypeStruct``s)
+        with a ``NamedSharding`` on one mesh per pytree.
       mesh_axis: the mesh axis to concatenate along.
 
     Returns:
@@ -544,8 +554,9 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
 
     Raises:
       ValueError: no trees, different tree structures, a leaf without a
-        ``NamedSharding``, meshes with different axis names or different sizes off
-        ``mesh_axis`` or shared devices, or parts of one array that do not fit.
+        ``NamedSharding`` (or with ``_logical_device_ids`` set), meshes with different
+        axis names or different sizes off ``mesh_axis`` or shared devices, or parts of
+        one array that do not fit.
 
     Example:
       >>> import jax, numpy as np
@@ -560,10 +571,14 @@ def concatenate_by_mesh_axis(array_trees: Sequence[Any], mesh_axis: str) -> Any:
       >>> y.sharding == x.sharding, np.asarray(y).tolist()
       (True, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
     """
-    if isinstance(array_trees, str | bytes) or not isinstance(array_trees, Sequence):
+    if isinstance(array_trees, str | bytes | Mapping | jax.Array | np.ndarray) or not (
+        isinstance(array_trees, Iterable)
+    ):
         raise ValueError(
             f"array_trees must be a sequence of pytrees, got {type(array_trees).__name__}."
         )
+    # Any other iterable (a generator, say) is taken in order, as a list would be.
+    array_trees = list(array_trees)
     if not array_trees:
         raise ValueError("array_trees is empty; there is nothing to concatenate.")
     flats = [_flatten_named(tree, f"array_trees[{k}]") for k, tree in enumerate(array_trees)]
