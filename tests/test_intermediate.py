@@ -130,6 +130,21 @@ def test_error_not_named_sharding(which):
         find_intermediate_sharding(*args)
 
 
+@pytest.mark.parametrize("which", ["in", "out"])
+def test_error_unconstrained_entry(which):
+    src = sharding((8,), ("fsdp",), P("fsdp", None))
+    dst = sharding((4,), ("tp",), P(None, "tp"))
+    loose = P(P.UNCONSTRAINED, "tp") if which == "out" else P("fsdp", P.UNCONSTRAINED)
+    if which == "out":
+        dst = NamedSharding(dst.mesh, loose)
+    else:
+        src = NamedSharding(src.mesh, loose)
+    with pytest.raises(
+        NoIntermediateShardingError, match=rf"the {which} spec has an UNCONSTRAINED entry"
+    ):
+        find_intermediate_sharding(src, dst)
+
+
 def test_error_spec_lengths_differ():
     src = sharding((8,), ("fsdp",), P("fsdp", None))
     dst = sharding((4,), ("tp",), P(None, "tp", None))

@@ -94,7 +94,7 @@ def find_intermediate_sharding(
     Raises:
       NoIntermediateShardingNeededError: some dimension shares a shard factor.
       NoIntermediateShardingError: no intermediate sharding exists (the message says
-        which rule failed).
+        which rule failed), or a spec has an ``UNCONSTRAINED`` entry.
 
     Example:
       A (16, 16) array sharded 8 ways by rows goes to 4 devices sharded by columns.
@@ -119,6 +119,14 @@ def find_intermediate_sharding(
             f"in_sharding={in_sharding!r} and out_sharding={out_sharding!r}."
         )
     given = f"in_sharding={in_sharding!r}, out_sharding={out_sharding!r}"
+    for name, given_spec in (("in", in_sharding.spec), ("out", out_sharding.spec)):
+        if PartitionSpec.UNCONSTRAINED in tuple(given_spec):
+            # Such a spec leaves the layout to the compiler: there are no shard counts
+            # to reason about (Pathways refuses it too).
+            raise NoIntermediateShardingError(
+                f"the {name} spec has an UNCONSTRAINED entry; intermediate shardings "
+                f"exist only between concrete layouts. Got {given}."
+            )
     in_entries = _entries(in_sharding.spec, len(out_sharding.spec))
     out_entries = _entries(out_sharding.spec, len(in_sharding.spec))
     if len(in_entries) != len(out_entries):
