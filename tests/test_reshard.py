@@ -117,6 +117,52 @@ def test_random_collective_executor(pack_on_host, case, donate, seed):
         _collective_executor.PACK_ON_HOST = saved
 
 
+def _with_logical_ids(draw, s):
+    ids = tuple(draw(st.permutations(range(s.mesh.size))))
+    return NamedSharding(s.mesh, s.spec, memory_kind=s.memory_kind, _logical_device_ids=ids)
+
+
+@settings(max_examples=40)
+@given(
+    case=cases(),
+    which=st.sampled_from(["src", "dst", "both"]),
+    executor=st.sampled_from(["host", "device", "collective"]),
+    donate=st.booleans(),
+    data=st.data(),
+)
+def test_custom_device_orders_are_kept(case, which, executor, donate, data):
+    # A NamedSharding with _logical_device_ids lays its shards out in that order, not
+    # the mesh's: key arrays once lost it on the way to their data, so their shards
+    # were read from and put on the wrong devices.
+    src, dst, shape, dtype = case
+    if which in ("src", "both"):
+        src = _with_logical_ids(data.draw, src)
+    if which in ("dst", "both"):
+        dst = _with_logical_ids(data.draw, dst)
+    run_case(
+        src,
+        dst,
+        shape,
+        dtype,
+        executor=executor,
+        donate=donate,
+        seed=data.draw(st.integers(0, 2**16)),
+    )
+
+
+def test_key_arrays_keep_a_custom_device_order():
+    order = NamedSharding(mesh1([0, 1, 2, 3]), P("a"), _logical_device_ids=(2, 0, 3, 1))
+    plain = NamedSharding(mesh1([4, 5, 6, 7], "b"), P("b"))
+    keys = jax.random.split(jax.random.key(3), 8)
+    for executor in ("host", "device", "collective"):
+        y = reshard.reshard(place(keys, plain), order, executor=executor)
+        check_result(y, keys, order)
+        assert y.sharding._logical_device_ids == (2, 0, 3, 1)
+        x = place(keys, order)
+        check_result(reshard.reshard(x, plain, executor=executor, donate=True), keys, plain)
+        assert x.is_deleted()
+
+
 @pytest.mark.parametrize("executor", ["host", "device"])
 @pytest.mark.parametrize(
     "name,src_ids,src_spec,dst_ids,dst_spec",

@@ -422,7 +422,14 @@ def _key_data_sharding(s: Sharding, extra: int) -> Sharding | None:
         return s
     if isinstance(s, NamedSharding):
         spec = tuple(s.spec) + (None,) * extra
-        return NamedSharding(s.mesh, PartitionSpec(*spec), memory_kind=s.memory_kind)
+        # A custom device order (``_logical_device_ids``) must carry over to the data,
+        # or its shards would be read from, and put on, the wrong devices.
+        return NamedSharding(
+            s.mesh,
+            PartitionSpec(*spec),
+            memory_kind=s.memory_kind,
+            _logical_device_ids=getattr(s, "_logical_device_ids", None),
+        )
     return None
 
 
