@@ -141,6 +141,18 @@ def devices_arg(text: str) -> tuple[int, ...]:
 MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
 
 
+def _jax_has(dt: np.dtype[Any]) -> bool:
+    """Whether JAX makes arrays of ``dt`` (traced only: nothing is allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        jax.eval_shape(lambda: jnp.zeros((0,), dt))
+    except TypeError:
+        return False
+    return True
+
+
 def dtype_arg(text: str) -> np.dtype[Any]:
     """A numpy dtype name, or one of JAX's extra types (``bfloat16``, ``int4``, ...)."""
     import ml_dtypes  # a dependency of jax; provides bfloat16, float8_*, int4
@@ -150,8 +162,9 @@ def dtype_arg(text: str) -> np.dtype[Any]:
         if hasattr(ml_dtypes, name):
             dt = np.dtype(getattr(ml_dtypes, name))
             # bfloat16, float8_*, int4, ...: raw bytes to numpy, or (float8_e5m2, with
-            # numpy 2.4 and ml_dtypes 0.6) a float; not its complex32 types (kind "W").
-            ok = dt.kind in "Vf" and dt.names is None
+            # numpy 2.4 and ml_dtypes 0.6) a float. Not its complex32 types, whose kind
+            # changed between ml_dtypes releases ("W", then "V" in 0.7): ask JAX.
+            ok = dt.kind in "Vf" and dt.names is None and _jax_has(dt)
         else:
             dt = np.dtype(name)
             # Numbers and bools of the widths JAX has: not strings, objects, dates,
