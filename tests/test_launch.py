@@ -126,6 +126,22 @@ def _target_spawn_stubborn_and_exit(pid_dir: str) -> None:
 # --- helpers -----------------------------------------------------------------------
 
 
+def _target_terminate_forked_children() -> list[int | None]:
+    # multiprocessing's "fork" children inherit the launcher's SIGTERM handler: ending
+    # one (as a Pool's __exit__ does) once killed the whole group, this worker too.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=time.sleep, args=(30,))
+    child.start()
+    time.sleep(0.3)
+    child.terminate()
+    child.join()
+    with ctx.Pool(2) as pool:
+        squares = pool.map(abs, [-1, -2, -3])
+    return [child.exitcode, *squares]
+
+
 def _alive(pid: int) -> bool:
     """True if `pid` exists and is not a zombie."""
     try:
@@ -305,6 +321,14 @@ def test_peer_that_never_arrives_fails_the_others_after_the_init_timeout() -> No
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_may_terminate_its_forked_children() -> None:
+    results = launch_local(
+        f"{HERE}:_target_terminate_forked_children", 1, 1, initialize=False, timeout_s=30
+    )
+    assert results[0].value == [-signal.SIGTERM, 1, 2, 3]
+
+
+@pytest.mark.timeout(60)
 def test_no_orphans_after_timeout_including_grandchildren(tmp_path: Path) -> None:
     launch_local(
         f"{HERE}:_target_spawn_and_sleep",
@@ -415,6 +439,12 @@ def test_bad_arguments_are_rejected_with_the_value() -> None:
     for bad in ("2", 2.5, True):
         with pytest.raises(ValueError, match=rf"as integers; got num_processes={bad!r}"):
             launch_local("x:y", num_processes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="target is empty"):
+        launch_local(" ")
+    with pytest.raises(
+        ValueError, match=r"env maps variable names to values, both text; got \{'A': 1\}"
+    ):
+        launch_local("x:y", env={"A": 1})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="target names what to run, as text.*got builtin"):
         launch_local(print)  # type: ignore[arg-type]
     for bad in ("5", True):

@@ -32,7 +32,9 @@ So the launcher does not rely on the children alone: once one process has failed
 rest get ``peer_failure_grace_s`` to report their own error and are then killed, and
 ``timeout_s`` bounds the whole run. Every child runs in its own process group (killed as
 a group) and dies with the launcher (Linux parent-death signal plus a watchdog thread),
-so no process outlives a launch.
+so no process outlives a launch, except one that leaves its process group
+(``start_new_session``) or, after a SIGKILL of the launcher, a child blocked in native
+code that holds the GIL (the handler and the watchdog both need it).
 
 Example:
     >>> from reshard._launch import launch_local
@@ -232,8 +234,9 @@ def launch_local(
 
     Raises:
         TypeError: ``target`` is not text.
-        ValueError: a count or timeout is out of range or not a number, or ``args`` is
-            not JSON-serialisable.
+        ValueError: a count or timeout is out of range or not a number, ``target`` is
+            empty, ``env`` holds something other than text, or ``args`` is not
+            JSON-serialisable.
         LaunchError: with ``check=True``, when any process failed or timed out; the
             message names the process that failed first and shows its stderr tail.
     """
@@ -271,6 +274,16 @@ def launch_local(
             "launch_local needs init_timeout_s, heartbeat_timeout_s and shutdown_timeout_s "
             f"as whole seconds >= 1 (jax.distributed takes ints); got {seconds}."
         )
+    if not target.strip():
+        raise ValueError(
+            "launch_local target is empty; name what to run: 'pkg.module:function', "
+            "'path/to/file.py:function', 'path/to/script.py' or 'pkg.module'."
+        )
+    if env is not None and (
+        not isinstance(env, Mapping)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise ValueError(f"launch_local env maps variable names to values, both text; got {env!r}.")
     if isinstance(args, str | bytes | Mapping) or not isinstance(args, Iterable):
         raise ValueError(
             "launch_local args are the target's positional arguments, as a list or tuple; "
@@ -610,8 +623,16 @@ def _die_with_parent() -> None:
     The launcher's own SIGTERM (when it ends a run) takes the same path.
     """
     parent = int(os.environ.get(_ENV_PARENT_PID, "0"))
+    me = os.getpid()
 
     def end_group(*_: object) -> None:
+        if os.getpid() != me:
+            # A child forked without exec (multiprocessing's "fork") inherits this
+            # handler: its SIGTERM (a Pool's terminate(), say) must end it alone, as
+            # the default action would, not the whole group with the worker in it.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
