@@ -62,3 +62,30 @@ def test_multiprocess_benchmark_prints_its_table():
     # rounds of its own (unbiased), which can be no faster than that row.
     ratios = re.findall(r"floor = (?:fastest|the chunking).*?relayout ([0-9.]+)x", res.stdout)
     assert len(ratios) == 2 and float(ratios[1]) <= float(ratios[0]), res.stdout
+
+
+def _python_blocks(doc: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.DOTALL)
+
+
+def test_elastic_guide_snippets_run_as_written():
+    # docs/elastic.md's snippets follow on from one another; the last one stands for a
+    # training loop, so it gets a train_step and batches of its own.
+    blocks = _python_blocks(ROOT / "docs" / "elastic.md")
+    assert len(blocks) == 4, "update this test with the guide's snippets"
+    loop_stand_in = (
+        "train_step = lambda state, batch: (state, float(np.asarray(batch).sum()))\n"
+        "batches = [np.ones(8), np.arange(8.0)]\n"
+        "state = {'w': jax.device_put(np.arange(8.0), NamedSharding(mesh, P('fsdp')))}\n"
+    )
+    script = "\n".join([*blocks[:3], loop_stand_in, blocks[3], "print('loss', loss)"])
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    # What the comments in the guide say the snippets print.
+    assert "[(\"['opt']\", ((8, 12),))]" in res.stdout, res.stdout
+    assert "avoiding:    devices [4, 5]" in res.stdout, res.stdout
+    assert res.stdout.rstrip().endswith("loss 28.0"), res.stdout
