@@ -173,7 +173,10 @@ def device_table(report: Mapping[str, Any]) -> Table:
 
 
 def _block_label(ids: Sequence[int]) -> str:
-    return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+    """A block's ids as ``reshard plan`` writes device lists (``0-3,100-101``), or, where
+    that is long, ``first..last``: not the range syntax, since ids are missing."""
+    label = device_ranges(ids)
+    return label if len(label) <= 16 else f"{ids[0]}..{ids[-1]}"
 
 
 def heatmap(report: Mapping[str, Any], *, ascii_only: bool = False) -> Text:
@@ -194,13 +197,16 @@ def heatmap(report: Mapping[str, Any], *, ascii_only: bool = False) -> Text:
     pad = max(len(x) for x in labels + ["src\\dst"])
     grouped = any(len(b) > 1 for b in src_blocks + dst_blocks)
     what = "transfer matrix (bytes sent, source device rows x destination device columns"
-    out.append(what + (", grouped into blocks of consecutive ids)\n" if grouped else ")\n"))
+    out.append(what + (",\ngrouped into blocks of devices in id order)\n" if grouped else ")\n"))
+    if any(".." in label for label in [*labels, *map(_block_label, dst_blocks)]):
+        out.append("(a..b: a block from device a to device b, with gaps)\n")
     if single:
         out.append("src\\dst".rjust(pad) + " ")
         out.append("".join(str(b[0]).rjust(width) for b in dst_blocks) + "\n", style="bold")
     else:
         out.append(
-            f"{'':>{pad}} columns: destination devices {_block_label(sorted(i for b in dst_blocks for i in b))} "
+            f"{'':>{pad}} columns: destination devices "
+            f"{device_ranges(sorted(i for b in dst_blocks for i in b))} "
             f"in {len(dst_blocks)} block(s) of up to {len(dst_blocks[0])}\n"
         )
     for label, row in zip(labels, m, strict=True):
@@ -222,4 +228,11 @@ def render_report(console: Console, report: Mapping[str, Any], *, title: str = "
     console.print(summary_table(report, title))
     console.print()
     console.print(device_table(report))
-    console.print(heatmap(report, ascii_only=console.options.ascii_only))
+    # One line per source block, however narrow the terminal (or 80 columns, piped):
+    # a wrapped row no longer lines up with the header's device ids.
+    console.print(
+        heatmap(report, ascii_only=console.options.ascii_only),
+        no_wrap=True,
+        overflow="ignore",
+        crop=False,
+    )
