@@ -30,12 +30,13 @@ from ._cli import (
     EXIT_USAGE,
     UsageError,
     add_output_arguments,
+    memory_mib,
     positive_float,
     positive_int,
     size_mb,
 )
 from ._cli_render import render_report
-from ._cli_scenarios import run_demo
+from ._cli_scenarios import model_tree, run_demo, shard_unit, tree_bytes
 from ._plan import human_bytes
 
 DEFAULT_DEVICES = 8
@@ -129,6 +130,24 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if procs > 1:
         timeout_s()  # a bad value is a usage error before anything starts
+    # The model's width is rounded up to a multiple of what every scenario's shard
+    # counts divide, which for some device counts is far beyond --size-mb.
+    _, d = model_tree(args.size_mb, n)
+    tree_mib, limit = tree_bytes(d) / 2**20, memory_mib()
+    if tree_mib > limit:
+        raise UsageError(
+            f"with --devices {n} the model's width must be a multiple of {shard_unit(n)} "
+            f"(so that every scenario splits it evenly), which makes the smallest tree "
+            f"{tree_mib:,.0f} MiB, more than this machine's memory ({limit:,.0f} MiB); "
+            "use a device count with smaller factors, e.g. --devices 8 or 16"
+        )
+    if tree_mib > 2 * args.size_mb:
+        print(
+            f"reshard demo: note: with --devices {n} the model's width must be a multiple "
+            f"of {shard_unit(n)}, so the tree is {tree_mib:,.1f} MiB, not ~{args.size_mb:g} "
+            "MiB; a device count with smaller factors keeps it near --size-mb",
+            file=sys.stderr,
+        )
 
 
 def timeout_s() -> float:

@@ -65,6 +65,12 @@ def lost_count(n: int) -> int:
     return max(1, n // 4)
 
 
+def tree_bytes(d: int) -> int:
+    """Bytes of ``model_tree``'s tree of width ``d``."""
+    norms = (2 * LAYERS + 1) * d * 4
+    return _BYTES_PER_D2 * d * d + norms
+
+
 def model_tree(size_mb: float, n: int) -> tuple[dict[str, Any], int]:
     """A decoder-only transformer's parameters (as ``Param``s) of about ``size_mb`` MiB.
 
