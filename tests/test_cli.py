@@ -8,6 +8,7 @@ must be one line on stderr with exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import json
@@ -194,6 +195,23 @@ def test_demo_processes_unavailable_is_a_clean_exit_2(
     assert "the collective executor" in err
 
 
+def test_demo_device_counts_that_inflate_the_tree_are_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The model's width is a multiple of what every scenario's shard counts divide:
+    # for 94 devices 6674, a 9.3 GiB tree however small --size-mb is.
+    from reshard import _cli_demo
+
+    monkeypatch.setattr(_cli_demo, "memory_mib", lambda: 4096.0)
+    assert _cli.main(["demo", "--devices", "94", "--size-mb", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "multiple of 6674" in err and "9,516 MiB, more than this machine's memory" in err
+    _cli_demo._check_args(argparse.Namespace(devices=30, processes=1, size_mb=1.0))
+    assert "the tree is 101.8 MiB, not ~1 MiB" in capsys.readouterr().err
+    _cli_demo._check_args(argparse.Namespace(devices=8, processes=1, size_mb=16.0))
+    assert capsys.readouterr().err == ""
+
+
 # ----------------------------------------------------------------------------------
 # plan
 # ----------------------------------------------------------------------------------
@@ -262,6 +280,30 @@ def test_plan_prints_devices_in_mesh_order() -> None:
     )  # fmt: skip
     assert again["stats"] == out["stats"] and again["stats"]["bytes_kept"] == 0
     assert again["destination"] == out["destination"]
+
+
+def test_plan_heatmap_keeps_one_line_per_row_when_piped_and_labels_blocks_exactly() -> None:
+    # Piped, rich assumes 80 columns; 32 destination columns of 3 characters once
+    # wrapped every row, so the cells no longer stood under their device ids.
+    res = run_cli(
+        "plan", "--shape", "1024", "--src-mesh", "32", "--dst-mesh", "32", "--dst-spec", ""
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("src\\dst"))
+    assert lines[header].split()[1:] == [str(i) for i in range(32)]
+    rows = lines[header + 1 : header + 33]
+    assert [row.split()[0] for row in rows] == [str(i) for i in range(32)]
+    assert all(len(row.split()) == 33 for row in rows), rows
+    # Blocks whose ids are not one range are labelled as device lists are written.
+    res = run_cli(
+        "plan", "--shape", "64", "--src-mesh", "8", "--src-devices", "0-3,100-103",
+        "--dst-mesh", "8", "--dst-devices", "200-203,300-303", "--blocks", "3",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "columns: destination devices 200-203,300-303 in 3 block(s)" in res.stdout
+    labels = [line.split()[0] for line in res.stdout.splitlines()[-4:-1]]
+    assert labels == ["0-2", "3,100-101", "102-103"], res.stdout
 
 
 def test_plan_avoid_reads_surviving_replicas_only() -> None:
@@ -344,6 +386,21 @@ def test_plan_dtype_takes_every_type_jax_arrays_have(name: str) -> None:
 
     # (numpy 2.4 reads ml_dtypes' float8_e5m2 as kind "f", the other extra types as "V")
     assert dtype_arg(name) == np.dtype(getattr(jax.numpy, name))
+
+
+def test_plan_refuses_replicated_words_as_axis_names_and_numbers_too_long_to_read() -> None:
+    from reshard._cli import positive_int
+    from reshard._cli_plan import axes_arg, devices_arg
+
+    for word in ("None", "none", "_"):
+        with pytest.raises(argparse.ArgumentTypeError, match="means a replicated dimension"):
+            axes_arg(f"data,{word}")
+    huge = "9" * 5000  # past Python's limit on the digits int() reads
+    with pytest.raises(argparse.ArgumentTypeError, match=r"device ids are below 10\*\*18"):
+        devices_arg(f"{huge},1")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"\(5,000 digits\) is too large"):
+        positive_int(huge)
+    assert devices_arg("0-3,999999999999999999") == (0, 1, 2, 3, 10**18 - 1)
 
 
 @pytest.mark.parametrize("name", ["complex32", "bcomplex32", "finfo", "iinfo"])
@@ -603,6 +660,14 @@ def test_bench_without_a_suite_exits_2(module: str) -> None:
     res = run_cli("bench", RESHARD_BENCH_MODULE=module)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert module in res.stderr and "no such module" in res.stderr
+    assert "reshard bench: error:" in res.stderr  # as every other usage error says
+
+
+def test_bench_suite_without_rows_says_so(tmp_path: Path) -> None:
+    suite = tmp_path / "empty_suite.py"
+    suite.write_text("def run(size_mb=1, reps=1, progress=None):\n    return []\n")
+    res = run_cli("bench", RESHARD_BENCH_MODULE=str(suite))
+    assert res.returncode == 1 and "the suite returned no rows" in res.stderr, res.stderr
 
 
 @pytest.mark.timeout(180)

@@ -120,6 +120,10 @@ def positive_int(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
+        if text.strip().isdigit():  # past Python's limit on the digits int() reads
+            raise argparse.ArgumentTypeError(
+                f"{text[:20]!r}... ({len(text.strip()):,} digits) is too large, e.g. 8"
+            ) from None
         v = 0
     if v < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1, e.g. 8")

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
     try:
         fn, where, module = find_suite()
     except SuiteNotAvailable as e:
-        print(f"reshard bench: {e}", file=sys.stderr)
+        print(f"reshard bench: error: {e}", file=sys.stderr)
         return 2
     known = getattr(module, "SCENARIOS", None)
     cases = None
@@ -210,6 +210,9 @@ def run(args: argparse.Namespace, console: Any) -> int:
         json.dump({"suite": where, "rows": rows}, sys.stdout, default=str)
         print()
         return 0
+    if not rows:
+        print(f"reshard bench ({where}): the suite returned no rows", file=sys.stderr)
+        return 1
     columns: list[str] = []
     for r in rows:
         columns.extend(k for k in r if k not in columns)

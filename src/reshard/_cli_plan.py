@@ -81,6 +81,13 @@ def axes_arg(text: str) -> tuple[str, ...]:
             f"{text!r}: mesh axis names must be distinct identifiers separated by ',', "
             "e.g. --src-axes data,model"
         )
+    replicated = [n for n in names if n in _NONE_WORDS]
+    if replicated:
+        # A spec would read such a name as a replicated dimension, not as the axis.
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {replicated[0]!r} means a replicated dimension in a spec and "
+            "cannot name a mesh axis; e.g. --src-axes data,model"
+        )
     return names
 
 
@@ -119,6 +126,11 @@ def devices_arg(text: str) -> tuple[int, ...]:
     for raw in text.split(","):
         p = raw.strip()
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", p)
+        if m is not None and any(len(g) > 18 for g in m.groups() if g is not None):
+            raise argparse.ArgumentTypeError(
+                f"{text[:40]!r}{'...' if len(text) > 40 else ''}: device ids are below "
+                "10**18, e.g. --src-devices 0-4095"
+            )
         if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
             raise argparse.ArgumentTypeError(
                 f"{text!r}: write device ids as ids and inclusive ranges separated by ',', "
