@@ -395,6 +395,8 @@ def test_plan_refuses_replicated_words_as_axis_names_and_numbers_too_long_to_rea
     for word in ("None", "none", "_"):
         with pytest.raises(argparse.ArgumentTypeError, match="means a replicated dimension"):
             axes_arg(f"data,{word}")
+    res = run_cli("plan", "--shape", "8", "--src-mesh", "2", "--dst-mesh", "2", "--dev", "1")
+    assert res.returncode == 2 and "unrecognized arguments: --dev 1" in res.stderr
     huge = "9" * 5000  # past Python's limit on the digits int() reads
     with pytest.raises(argparse.ArgumentTypeError, match=r"device ids are below 10\*\*18"):
         devices_arg(f"{huge},1")

@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "see it work (demo), explain a plan (plan), measure (bench).",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"reshard {__version__}")
     sub = parser.add_subparsers(
@@ -197,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, summary in commands:
         # The first paragraph of the command module's docstring describes the command.
         doc = (module.__doc__ or "").split("\n\n")[0].replace("``", "")
-        cmd = sub.add_parser(name, help=summary, description=doc)
+        # No abbreviations: "--dev 1" silently meant --devices-per-process in plan.
+        cmd = sub.add_parser(name, help=summary, description=doc, allow_abbrev=False)
         module.add_arguments(cmd)
         cmd.set_defaults(run=module.run)
     return parser
