@@ -420,6 +420,15 @@ def test_no_orphans_when_the_launcher_itself_is_interrupted_or_killed(
                     os.kill(p, signal.SIGKILL)
 
 
+def test_env_values_may_be_text_bytes_or_paths(tmp_path: Path) -> None:
+    env = {"RV_TEXT": "a", "RV_BYTES": b"b", "RV_PATH": tmp_path}
+    for name, want in (("RV_TEXT", "a"), ("RV_BYTES", "b"), ("RV_PATH", str(tmp_path))):
+        results = launch_local(
+            "os:getenv", 1, 1, args=[name], env=env, initialize=False, timeout_s=30
+        )
+        assert results[0].value == want
+
+
 def test_bad_arguments_are_rejected_with_the_value() -> None:
     with pytest.raises(ValueError, match="num_processes >= 1.*num_processes=0"):
         launch_local("x:y", num_processes=0)
@@ -441,10 +450,11 @@ def test_bad_arguments_are_rejected_with_the_value() -> None:
             launch_local("x:y", num_processes=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="target is empty"):
         launch_local(" ")
+    # Names and types only: an environment may hold secrets.
     with pytest.raises(
-        ValueError, match=r"env maps variable names to values, both text; got \{'A': 1\}"
+        ValueError, match=r"these do not \(name: type of value\): \{'A': 'int'\}\.$"
     ):
-        launch_local("x:y", env={"A": 1})  # type: ignore[dict-item]
+        launch_local("x:y", env={"A": 1, "TOKEN": "hunter2"})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="target names what to run, as text.*got builtin"):
         launch_local(print)  # type: ignore[arg-type]
     for bad in ("5", True):

@@ -189,7 +189,7 @@ def launch_local(
     *,
     timeout_s: float = 120.0,
     args: Sequence[Any] = (),
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str | bytes | os.PathLike[str]] | None = None,
     initialize: bool = True,
     check: bool = True,
     init_timeout_s: int = 30,
@@ -235,8 +235,8 @@ def launch_local(
     Raises:
         TypeError: ``target`` is not text.
         ValueError: a count or timeout is out of range or not a number, ``target`` is
-            empty, ``env`` holds something other than text, or ``args`` is not
-            JSON-serialisable.
+            empty, ``env`` holds a name that is not text or a value that is
+            not text, bytes or a path, or ``args`` is not JSON-serialisable.
         LaunchError: with ``check=True``, when any process failed or timed out; the
             message names the process that failed first and shows its stderr tail.
     """
@@ -279,11 +279,23 @@ def launch_local(
             "launch_local target is empty; name what to run: 'pkg.module:function', "
             "'path/to/file.py:function', 'path/to/script.py' or 'pkg.module'."
         )
-    if env is not None and (
-        not isinstance(env, Mapping)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-    ):
-        raise ValueError(f"launch_local env maps variable names to values, both text; got {env!r}.")
+    if env is not None:
+        if not isinstance(env, Mapping):
+            raise ValueError(
+                f"launch_local env maps variable names to values; got {type(env).__name__}."
+            )
+        # What subprocess takes: text, bytes or paths. Only names and types are shown:
+        # an environment may hold secrets.
+        bad_env = {
+            k: type(v).__name__
+            for k, v in env.items()
+            if not isinstance(k, str) or not isinstance(v, str | bytes | os.PathLike)
+        }
+        if bad_env:
+            raise ValueError(
+                "launch_local env maps variable names (text) to values (text, bytes or "
+                f"paths); these do not (name: type of value): {bad_env}."
+            )
     if isinstance(args, str | bytes | Mapping) or not isinstance(args, Iterable):
         raise ValueError(
             "launch_local args are the target's positional arguments, as a list or tuple; "
@@ -495,7 +507,7 @@ def _failure_message(target: str, results: list[ProcessResult], timeout_s: float
 
 
 def _child_environment(
-    extra: Mapping[str, str] | None,
+    extra: Mapping[str, str | bytes | os.PathLike[str]] | None,
     *,
     coordinator: str,
     num_processes: int,
@@ -538,7 +550,7 @@ def _child_environment(
             _ENV_PARENT_PID: str(os.getpid()),
         }
     )
-    env.update(extra or {})
+    env.update({k: os.fsdecode(v) for k, v in (extra or {}).items()})  # (as Popen would)
     return env
 
 
