@@ -206,6 +206,11 @@ def test_demo_device_counts_that_inflate_the_tree_are_named(
     assert _cli.main(["demo", "--devices", "94", "--size-mb", "1"]) == 2
     err = capsys.readouterr().err
     assert "multiple of 6674" in err and "9,516 MiB, more than this machine's memory" in err
+    # Where the size asked for, not the device count, is too large, the message says so.
+    with pytest.raises(
+        _cli.UsageError, match=r"--size-mb 4300 the tree is 4,984 MiB.*smaller --size-mb"
+    ):
+        _cli_demo._check_args(argparse.Namespace(devices=30, processes=1, size_mb=4300.0))
     _cli_demo._check_args(argparse.Namespace(devices=30, processes=1, size_mb=1.0))
     assert "the tree is 101.8 MiB, not ~1 MiB" in capsys.readouterr().err
     _cli_demo._check_args(argparse.Namespace(devices=8, processes=1, size_mb=16.0))
@@ -403,6 +408,11 @@ def test_plan_refuses_replicated_words_as_axis_names_and_numbers_too_long_to_rea
     with pytest.raises(argparse.ArgumentTypeError, match=r"\(5,000 digits\) is too large"):
         positive_int(huge)
     assert devices_arg("0-3,999999999999999999") == (0, 1, 2, 3, 10**18 - 1)
+    assert devices_arg("0" * 30 + "5") == (5,)  # (digits past leading zeros count)
+    assert positive_int("0" * 4999 + "7") == 7
+    for text in ("²", "8²", "①", "0" * 5000):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a whole number >= 1"):
+            positive_int(text)
 
 
 @pytest.mark.parametrize("name", ["complex32", "bcomplex32", "finfo", "iinfo"])
@@ -668,8 +678,9 @@ def test_bench_without_a_suite_exits_2(module: str) -> None:
 def test_bench_suite_without_rows_says_so(tmp_path: Path) -> None:
     suite = tmp_path / "empty_suite.py"
     suite.write_text("def run(size_mb=1, reps=1, progress=None):\n    return []\n")
-    res = run_cli("bench", RESHARD_BENCH_MODULE=str(suite))
-    assert res.returncode == 1 and "the suite returned no rows" in res.stderr, res.stderr
+    for json_flag in ((), ("--json",)):
+        res = run_cli("bench", *json_flag, RESHARD_BENCH_MODULE=str(suite))
+        assert res.returncode == 1 and "the suite returned no rows" in res.stderr, res.stderr
 
 
 @pytest.mark.timeout(180)

@@ -120,11 +120,16 @@ def positive_int(text: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        if text.strip().isdigit():  # past Python's limit on the digits int() reads
-            raise argparse.ArgumentTypeError(
-                f"{text[:20]!r}... ({len(text.strip()):,} digits) is too large, e.g. 8"
-            ) from None
-        v = 0
+        digits = text.strip()
+        if digits.isascii() and digits.isdigit():  # past the digits int() reads
+            significant = digits.lstrip("0")
+            if len(significant) > 4000:
+                raise argparse.ArgumentTypeError(
+                    f"{text[:20]!r}... ({len(significant):,} digits) is too large, e.g. 8"
+                ) from None
+            v = int(significant or "0")
+        else:
+            v = 0
     if v < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1, e.g. 8")
     return v

@@ -206,13 +206,13 @@ def run(args: argparse.Namespace, console: Any) -> int:
             },
         )
         rows = [_as_dict(r) for r in fn(**options)]
+    if not rows:  # (with --json too: nothing was measured)
+        print(f"reshard bench ({where}): the suite returned no rows", file=sys.stderr)
+        return 1
     if args.json:
         json.dump({"suite": where, "rows": rows}, sys.stdout, default=str)
         print()
         return 0
-    if not rows:
-        print(f"reshard bench ({where}): the suite returned no rows", file=sys.stderr)
-        return 1
     columns: list[str] = []
     for r in rows:
         columns.extend(k for k in r if k not in columns)

@@ -135,12 +135,22 @@ def _check_args(args: argparse.Namespace) -> None:
     _, d = model_tree(args.size_mb, n)
     tree_mib, limit = tree_bytes(d) / 2**20, memory_mib()
     if tree_mib > limit:
-        raise UsageError(
-            f"with --devices {n} the model's width must be a multiple of {shard_unit(n)} "
-            f"(so that every scenario splits it evenly), which makes the smallest tree "
-            f"{tree_mib:,.0f} MiB, more than this machine's memory ({limit:,.0f} MiB); "
-            "use a device count with smaller factors, e.g. --devices 8 or 16"
-        )
+        unit = shard_unit(n)
+        smallest = tree_bytes(unit) / 2**20
+        if smallest > limit:
+            why = (
+                f"with --devices {n} the model's width must be a multiple of {unit} (so "
+                f"that every scenario splits it evenly), which makes the smallest tree "
+                f"{smallest:,.0f} MiB"
+            )
+            hint = "use a device count with smaller factors, e.g. --devices 8 or 16"
+        else:
+            why = (
+                f"with --devices {n} and --size-mb {args.size_mb:g} the tree is "
+                f"{tree_mib:,.0f} MiB (its width rounded up to a multiple of {unit})"
+            )
+            hint = "ask for a smaller --size-mb"
+        raise UsageError(f"{why}, more than this machine's memory ({limit:,.0f} MiB); {hint}")
     if tree_mib > 2 * args.size_mb:
         print(
             f"reshard demo: note: with --devices {n} the model's width must be a multiple "

@@ -126,7 +126,7 @@ def devices_arg(text: str) -> tuple[int, ...]:
     for raw in text.split(","):
         p = raw.strip()
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", p)
-        if m is not None and any(len(g) > 18 for g in m.groups() if g is not None):
+        if m is not None and any(len(g.lstrip("0")) > 18 for g in m.groups() if g is not None):
             raise argparse.ArgumentTypeError(
                 f"{text[:40]!r}{'...' if len(text) > 40 else ''}: device ids are below "
                 "10**18, e.g. --src-devices 0-4095"

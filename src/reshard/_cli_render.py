@@ -198,7 +198,7 @@ def heatmap(report: Mapping[str, Any], *, ascii_only: bool = False) -> Text:
     grouped = any(len(b) > 1 for b in src_blocks + dst_blocks)
     what = "transfer matrix (bytes sent, source device rows x destination device columns"
     out.append(what + (",\ngrouped into blocks of devices in id order)\n" if grouped else ")\n"))
-    if any(".." in label for label in [*labels, *map(_block_label, dst_blocks)]):
+    if any(".." in label for label in labels):  # (column blocks are not labelled)
         out.append("(a..b: a block from device a to device b, with gaps)\n")
     if single:
         out.append("src\\dst".rjust(pad) + " ")
