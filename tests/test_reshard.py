@@ -127,14 +127,18 @@ def _with_logical_ids(draw, s):
     case=cases(),
     which=st.sampled_from(["src", "dst", "both"]),
     executor=st.sampled_from(["host", "device", "collective"]),
+    keys=st.booleans(),
     donate=st.booleans(),
     data=st.data(),
 )
-def test_custom_device_orders_are_kept(case, which, executor, donate, data):
+def test_custom_device_orders_are_kept(case, which, executor, keys, donate, data):
     # A NamedSharding with _logical_device_ids lays its shards out in that order, not
     # the mesh's: key arrays once lost it on the way to their data, so their shards
-    # were read from and put on the wrong devices.
+    # were read from and put on the wrong devices (half the cases are key arrays).
     src, dst, shape, dtype = case
+    if keys:
+        dtype = "key"
+        src, dst = NamedSharding(src.mesh, src.spec), NamedSharding(dst.mesh, dst.spec)
     if which in ("src", "both"):
         src = _with_logical_ids(data.draw, src)
     if which in ("dst", "both"):

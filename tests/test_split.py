@@ -570,6 +570,11 @@ def test_logical_device_ids_are_refused_by_split_and_concatenate():
         concatenate_by_mesh_axis([other, x], "stage")
     assert not x.is_deleted() and not other.is_deleted()
     np.testing.assert_array_equal(np.asarray(x), value)
+    # The identity order is the mesh's own: such arrays split and join as any other.
+    same = NamedSharding(mesh, P("stage"), _logical_device_ids=tuple(range(8)))
+    parts = split_by_mesh_axis(_owned_copy(jax.device_put(value, same)), "stage")
+    np.testing.assert_array_equal(np.asarray(parts[1]), value[8:])
+    np.testing.assert_array_equal(np.asarray(concatenate_by_mesh_axis(parts, "stage")), value)
 
 
 def test_concatenate_error_different_structures():

@@ -116,9 +116,11 @@ def _flatten_named(tree: Any, what: str) -> tuple[list[str], list[Leaf], Any]:
                 f"{where} has sharding {leaf.sharding!r}; only NamedSharding can be split "
                 "or concatenated along a mesh axis. Reshard it to a NamedSharding first."
             )
-        if getattr(leaf.sharding, "_logical_device_ids", None) is not None:
+        ids = getattr(leaf.sharding, "_logical_device_ids", None)
+        if ids is not None and tuple(ids) != tuple(range(leaf.sharding.mesh.size)):
             # The shards of such a sharding are not laid out by the mesh's device array,
-            # so cutting the mesh would hand out the wrong shards.
+            # so cutting the mesh would hand out the wrong shards (the identity order
+            # is the mesh's own).
             raise ValueError(
                 f"{where} has a NamedSharding with _logical_device_ids set; only "
                 "shardings laid out by their mesh can be split or concatenated along a "
