@@ -142,6 +142,10 @@ def _target_terminate_forked_children() -> list[int | None]:
     return [child.exitcode, *squares]
 
 
+def _target_env(names: list[str]) -> list[str | None]:
+    return [os.environ.get(name) for name in names]
+
+
 def _alive(pid: int) -> bool:
     """True if `pid` exists and is not a zombie."""
     try:
@@ -422,11 +426,10 @@ def test_no_orphans_when_the_launcher_itself_is_interrupted_or_killed(
 
 def test_env_values_may_be_text_bytes_or_paths(tmp_path: Path) -> None:
     env = {"RV_TEXT": "a", "RV_BYTES": b"b", "RV_PATH": tmp_path}
-    for name, want in (("RV_TEXT", "a"), ("RV_BYTES", "b"), ("RV_PATH", str(tmp_path))):
-        results = launch_local(
-            "os:getenv", 1, 1, args=[name], env=env, initialize=False, timeout_s=30
-        )
-        assert results[0].value == want
+    results = launch_local(
+        f"{HERE}:_target_env", 1, 1, args=[list(env)], env=env, initialize=False, timeout_s=30
+    )
+    assert results[0].value == ["a", "b", str(tmp_path)]
 
 
 def test_bad_arguments_are_rejected_with_the_value() -> None:
