@@ -422,14 +422,10 @@ def _key_data_sharding(s: Sharding, extra: int) -> Sharding | None:
         return s
     if isinstance(s, NamedSharding):
         spec = tuple(s.spec) + (None,) * extra
-        # A custom device order (``_logical_device_ids``) must carry over to the data,
-        # or its shards would be read from, and put on, the wrong devices.
-        return NamedSharding(
-            s.mesh,
-            PartitionSpec(*spec),
-            memory_kind=s.memory_kind,
-            _logical_device_ids=getattr(s, "_logical_device_ids", None),
-        )
+        # ``update`` keeps the rest: memory kind, and a custom device order
+        # (``_logical_device_ids``), without which the data's shards would be read
+        # from, and put on, the wrong devices.
+        return s.update(spec=PartitionSpec(*spec))
     return None
 
 
