@@ -36,7 +36,7 @@ from ._cli import (
     size_mb,
 )
 from ._cli_render import render_report
-from ._cli_scenarios import model_tree, run_demo, shard_unit, tree_bytes
+from ._cli_scenarios import model_width, run_demo, shard_unit, tree_bytes
 from ._plan import human_bytes
 
 DEFAULT_DEVICES = 8
@@ -132,10 +132,9 @@ def _check_args(args: argparse.Namespace) -> None:
         timeout_s()  # a bad value is a usage error before anything starts
     # The model's width is rounded up to a multiple of what every scenario's shard
     # counts divide, which for some device counts is far beyond --size-mb.
-    _, d = model_tree(args.size_mb, n)
-    tree_mib, limit = tree_bytes(d) / 2**20, memory_mib()
+    unit = shard_unit(n)
+    tree_mib, limit = tree_bytes(model_width(args.size_mb, n)) / 2**20, memory_mib()
     if tree_mib > limit:
-        unit = shard_unit(n)
         smallest = tree_bytes(unit) / 2**20
         if smallest > limit:
             why = (
@@ -154,7 +153,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if tree_mib > 2 * args.size_mb:
         print(
             f"reshard demo: note: with --devices {n} the model's width must be a multiple "
-            f"of {shard_unit(n)}, so the tree is {tree_mib:,.1f} MiB, not ~{args.size_mb:g} "
+            f"of {unit}, so the tree is {tree_mib:,.1f} MiB, not ~{args.size_mb:g} "
             "MiB; a device count with smaller factors keeps it near --size-mb",
             file=sys.stderr,
         )

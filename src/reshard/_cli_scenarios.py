@@ -71,14 +71,20 @@ def tree_bytes(d: int) -> int:
     return _BYTES_PER_D2 * d * d + norms
 
 
+def model_width(size_mb: float, n: int) -> int:
+    """``model_tree``'s width ``d`` for ``n`` devices: about ``size_mb`` MiB, rounded to a
+    multiple of ``shard_unit(n)`` (at least one)."""
+    unit = shard_unit(n)
+    return max(unit, round(math.sqrt(size_mb * 2**20 / _BYTES_PER_D2) / unit) * unit)
+
+
 def model_tree(size_mb: float, n: int) -> tuple[dict[str, Any], int]:
     """A decoder-only transformer's parameters (as ``Param``s) of about ``size_mb`` MiB.
 
     Returns:
       The tree and its model width ``d``.
     """
-    unit = shard_unit(n)
-    d = max(unit, round(math.sqrt(size_mb * 2**20 / _BYTES_PER_D2) / unit) * unit)
+    d = model_width(size_mb, n)
     ffn, vocab = 3 * d, 4 * d
 
     def layer() -> dict[str, Any]:
