@@ -213,6 +213,17 @@ def test_demo_device_counts_that_inflate_the_tree_are_named(
         _cli_demo._check_args(argparse.Namespace(devices=30, processes=1, size_mb=4300.0))
     _cli_demo._check_args(argparse.Namespace(devices=30, processes=1, size_mb=1.0))
     assert "the tree is 101.8 MiB, not ~1 MiB" in capsys.readouterr().err
+    # Every process builds the whole tree: a size that one process fits, four do not.
+    _cli_demo._check_args(argparse.Namespace(devices=8, processes=1, size_mb=2000.0))
+    with pytest.raises(
+        _cli.UsageError,
+        match=r"the tree is 1,985 MiB .* in each of the 4 processes \(7,939 MiB in all\), "
+        r"more than this machine's memory \(4,096 MiB\); ask for a smaller --size-mb or "
+        r"fewer --processes",
+    ):
+        _cli_demo._check_args(argparse.Namespace(devices=8, processes=4, size_mb=2000.0))
+    with pytest.raises(_cli.UsageError, match=r"smallest tree 9,516 MiB in each of the 2 "):
+        _cli_demo._check_args(argparse.Namespace(devices=94, processes=2, size_mb=1.0))
     _cli_demo._check_args(argparse.Namespace(devices=8, processes=1, size_mb=16.0))
     assert capsys.readouterr().err == ""
 

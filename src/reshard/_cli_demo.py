@@ -134,21 +134,28 @@ def _check_args(args: argparse.Namespace) -> None:
     # counts divide, which for some device counts is far beyond --size-mb.
     unit = shard_unit(n)
     tree_mib, limit = tree_bytes(model_width(args.size_mb, n)) / 2**20, memory_mib()
-    if tree_mib > limit:
+    if tree_mib * procs > limit:  # every process builds the whole tree in host memory
+
+        def each(mib: float) -> str:
+            if procs == 1:
+                return ""
+            return f" in each of the {procs} processes ({mib * procs:,.0f} MiB in all)"
+
         smallest = tree_bytes(unit) / 2**20
-        if smallest > limit:
+        if smallest * procs > limit:
             why = (
                 f"with --devices {n} the model's width must be a multiple of {unit} (so "
                 f"that every scenario splits it evenly), which makes the smallest tree "
-                f"{smallest:,.0f} MiB"
+                f"{smallest:,.0f} MiB{each(smallest)}"
             )
             hint = "use a device count with smaller factors, e.g. --devices 8 or 16"
         else:
             why = (
                 f"with --devices {n} and --size-mb {args.size_mb:g} the tree is "
                 f"{tree_mib:,.0f} MiB (its width rounded up to a multiple of {unit})"
+                f"{each(tree_mib)}"
             )
-            hint = "ask for a smaller --size-mb"
+            hint = "ask for a smaller --size-mb" + (" or fewer --processes" * (procs > 1))
         raise UsageError(f"{why}, more than this machine's memory ({limit:,.0f} MiB); {hint}")
     if tree_mib > 2 * args.size_mb:
         print(
