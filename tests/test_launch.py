@@ -247,6 +247,67 @@ def test_failure_names_the_failing_process_and_ends_the_others() -> None:
         assert r.returncode in (-signal.SIGTERM, -signal.SIGKILL)
 
 
+def _target_count_runs(log_dir: str) -> int:
+    """Records that the target ran in this process; returns the global device count."""
+    import jax
+
+    with open(Path(log_dir) / os.environ["RESHARD_PROCESS_ID"], "a") as f:
+        f.write("ran\n")
+    return jax.device_count()
+
+
+def _target_exit(code: int) -> None:
+    if int(os.environ["RESHARD_PROCESS_ID"]) == 0:
+        sys.exit(code)
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_port_taken_before_process_0_binds_it_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from reshard import _launch
+
+    # Another program takes the port between free_port() and process 0's bind.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        ports = iter([held])
+        chosen: list[int] = []
+
+        def next_port(host: str = "127.0.0.1") -> int:
+            chosen.append(next(ports, None) or _launch.free_port.__wrapped__(host))
+            return chosen[-1]
+
+        next_port.__wrapped__ = _launch.free_port  # type: ignore[attr-defined]
+        monkeypatch.setattr(_launch, "free_port", next_port)
+        t0 = time.monotonic()
+        results = launch_local(f"{HERE}:_target_count_runs", 2, 2, args=[str(tmp_path)])
+        elapsed = time.monotonic() - t0
+        # The launch started again on a new port; the target ran once per process.
+        assert len(chosen) == 2 and chosen[0] == held != chosen[1]
+        assert [r.value for r in results] == [4, 4]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1"]
+        assert all(p.read_text() == "ran\n" for p in tmp_path.iterdir())
+        assert elapsed < 60, f"the failed attempt was not ended promptly: {elapsed:.1f} s"
+
+        # A port that stays taken: a few attempts, then a clear failure.
+        ports, chosen[:] = iter([held] * 9), []
+        with pytest.raises(
+            LaunchError, match=r"(?s)process 0 failed first.*port was taken .* each of the 3 ports"
+        ):
+            launch_local(f"{HERE}:_target_count_runs", 2, 1, args=[str(tmp_path / "x")])
+        assert len(chosen) == _launch._PORT_ATTEMPTS and not (tmp_path / "x").exists()
+    # A target's own exit status 75 (the launcher's status for a taken port) is not
+    # mistaken for one: the target does not run again.
+    chosen[:] = []
+    with pytest.raises(LaunchError, match=r"process 0: exit code 75"):
+        launch_local(f"{HERE}:_target_exit", 2, 1, args=[75], peer_failure_grace_s=1.0)
+    assert len(chosen) == 1
+
+
 @pytest.mark.timeout(60)
 def test_timeout_kills_everything_and_says_so() -> None:
     t0 = time.monotonic()

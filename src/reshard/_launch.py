@@ -85,6 +85,12 @@ _CHILD_BOOTSTRAP = "import reshard._launch as _l; _l._child_main()"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _POLL_S = 0.02
 _TERM_GRACE_S = 2.0  # SIGTERM -> SIGKILL escalation when the launcher ends a process
+# Process 0's exit status when its coordinator's port was taken before it could bind it
+# (EX_TEMPFAIL), and how many ports a launch tries.
+_PORT_TAKEN_EXIT = 75
+# What process 0 writes to stderr then: gRPC's log line, and jax.distributed's error.
+_PORT_TAKEN = ("Failed to add port to server", "Failed to start RPC server")
+_PORT_ATTEMPTS = 3
 
 
 class LaunchError(RuntimeError):
@@ -202,7 +208,9 @@ def launch_local(
 
     Each process gets ``devices_per_process`` simulated CPU devices, gloo collectives and
     the coordinator address of a free port on 127.0.0.1, so the processes together see
-    ``num_processes * devices_per_process`` global devices (``jax.devices()``).
+    ``num_processes * devices_per_process`` global devices (``jax.devices()``). Should
+    another program take that port before process 0 binds it, the launch starts again
+    on another port (up to 3 ports, within ``timeout_s``); the target has not run then.
 
     Args:
         target: what every process runs, one of: ``"pkg.module:function"`` or
@@ -309,7 +317,56 @@ def launch_local(
             f"boundary); got args={args!r}: {e}"
         ) from e
 
-    port = free_port()
+    # A port free when chosen may be taken (by any program) before process 0 binds
+    # it; process 0 then fails before any process has run the target, and the launch
+    # starts again on another port, within the same timeout.
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(_PORT_ATTEMPTS):
+        results, port_taken = _launch_once(
+            target,
+            num_processes,
+            devices_per_process,
+            port=free_port(),
+            deadline=deadline,
+            args_json=args_json,
+            env=env,
+            initialize=initialize,
+            seconds=seconds,
+            peer_failure_grace_s=peer_failure_grace_s,
+            cwd=cwd,
+        )
+        if not port_taken or attempt + 1 == _PORT_ATTEMPTS or time.monotonic() >= deadline:
+            break
+    if check and not all(r.ok for r in results):
+        message = _failure_message(target, results, timeout_s)
+        if port_taken:
+            message += (
+                f"\nThe coordinator's port was taken before process 0 could bind it, on "
+                f"each of the {attempt + 1} ports tried; the target did not run."
+            )
+        raise LaunchError(message, results)
+    return results
+
+
+def _launch_once(
+    target: str,
+    num_processes: int,
+    devices_per_process: int,
+    *,
+    port: int,
+    deadline: float,
+    args_json: str,
+    env: Mapping[str, str | bytes | os.PathLike[str]] | None,
+    initialize: bool,
+    seconds: Mapping[str, int],
+    peer_failure_grace_s: float,
+    cwd: str | os.PathLike[str] | None,
+) -> tuple[list[ProcessResult], bool]:
+    """One launch of every process, with the coordinator on ``port``.
+
+    Returns:
+      The results, and whether process 0 found the port taken (the target never ran).
+    """
     # (Entered in order, left in reverse: the directory is gone before a SIGTERM
     # ends this process.)
     with _SigtermUnwinds(), tempfile.TemporaryDirectory(prefix="reshard-launch-") as tmp:
@@ -331,6 +388,7 @@ def launch_local(
                             "args": json.loads(args_json),
                             "initialize": initialize,
                             "result_path": str(res_p),
+                            "started_path": str(workdir / f"{pid}.started"),
                         }
                     )
                 )
@@ -340,9 +398,7 @@ def launch_local(
                     num_processes=num_processes,
                     process_id=pid,
                     devices_per_process=devices_per_process,
-                    init_timeout_s=init_timeout_s,
-                    heartbeat_timeout_s=heartbeat_timeout_s,
-                    shutdown_timeout_s=shutdown_timeout_s,
+                    **seconds,
                     spec_path=spec_p,
                 )
                 files.append((out_p, err_p, res_p))
@@ -361,7 +417,6 @@ def launch_local(
                             start_new_session=True,
                         )
                     )
-            deadline = start + timeout_s
             first_failure_at: float | None = None
             while len(ended_at) < num_processes:
                 now = time.monotonic()
@@ -370,6 +425,10 @@ def launch_local(
                         ended_at[pid] = now
                         if proc.returncode != 0 and first_failure_at is None:
                             first_failure_at = now
+                            if pid == 0 and _port_was_taken(workdir, initialize):
+                                # Nobody can start without process 0's coordinator:
+                                # the others are ended at once, for a new attempt.
+                                first_failure_at -= peer_failure_grace_s
                 if len(ended_at) == num_processes:
                     break
                 peer_deadline = (
@@ -412,9 +471,18 @@ def launch_local(
                     timed_out=timed_out and pid in terminated,
                 )
             )
-    if check and not all(r.ok for r in results):
-        raise LaunchError(_failure_message(target, results, timeout_s), results)
-    return results
+        port_taken = _port_was_taken(workdir, initialize)
+    return results, port_taken
+
+
+def _port_was_taken(workdir: Path, initialize: bool) -> bool:
+    """Whether process 0 of a launch in ``workdir`` failed to bind the coordinator's
+    port before any process ran the target. (jax.distributed.initialize then raises,
+    or with jax 0.10.2 at times crashes with SIGSEGV after gRPC has said so.)"""
+    if not initialize or any(workdir.glob("*.started")):
+        return False
+    err = (workdir / "0.err").read_text(errors="replace") if (workdir / "0.err").exists() else ""
+    return any(m in err for m in _PORT_TAKEN)
 
 
 def _end_all(procs: Sequence[subprocess.Popen[bytes]], ended_at: dict[int, float]) -> None:
@@ -693,7 +761,19 @@ def _child_main() -> None:
     args: list[Any] = spec["args"]
     try:
         if spec["initialize"]:
-            initialize_from_env()
+            try:
+                initialize_from_env()
+            except Exception as e:
+                if os.environ.get(ENV_PROCESS_ID) == "0" and _PORT_TAKEN[1] in str(e):
+                    print(
+                        f"reshard launch: the coordinator's port "
+                        f"({os.environ.get(ENV_COORDINATOR_ADDRESS)}) was taken before "
+                        f"process 0 could bind it ({e}); the target did not run",
+                        file=sys.stderr,
+                    )
+                    _fail_fast(_PORT_TAKEN_EXIT)
+                raise
+        Path(spec["started_path"]).touch()  # (no new port after this)
         # A Windows drive letter ("C:\\x.py") is a path, not a function target.
         is_function = ":" in target and not Path(target).exists()
         if is_function:
