@@ -485,6 +485,37 @@ def test_recover_data_loss_message_and_key_arrays():
     assert not zero.is_deleted()
 
 
+def test_zero_size_arrays_lose_nothing():
+    # A zero-size array has no elements: a lost device holds nothing of it to lose.
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    small = reshard.shrink_mesh(full, [5], "data")
+
+    def state():
+        return {
+            "w": jax.device_put(
+                np.arange(64.0).reshape(8, 8), NamedSharding(full, P(None, "fsdp"))
+            ),
+            "empty": jax.device_put(
+                np.zeros((0, 8), np.float32), NamedSharding(full, P(None, ("data", "fsdp")))
+            ),
+        }
+
+    for donate in (False, True):
+        out = reshard.recover(state(), small, [5], donate=donate)
+        assert out["empty"].shape == (0, 8) and out["empty"].dtype == np.float32
+        assert out["empty"].sharding == NamedSharding(small, P(None, ("data", "fsdp")))
+        assert sorted(s.device.id for s in out["empty"].addressable_shards) == [0, 1, 2, 3]
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(64.0).reshape(8, 8))
+    one = jax.device_put(np.zeros((0, 3), np.int8), DEVICES[5])
+    y = reshard.reshard(one, DEVICES[0], avoid_devices=[5])
+    assert y.shape == (0, 3) and y.dtype == np.int8 and y.devices() == {DEVICES[0]}
+    # A non-empty array whose only copy was there is still lost, with an empty beside it.
+    with pytest.raises(reshard.DataLossError, match=r"\['x'\]\[0:2\]"):
+        reshard.reshard(
+            {"x": jax.device_put(np.ones(2), DEVICES[5]), "e": one}, DEVICES[0], avoid_devices=[5]
+        )
+
+
 def test_recover_refuses_a_destination_on_lost_devices():
     full = mesh_of((2, 4), ("data", "fsdp"))
     x = jax.device_put(np.zeros(8), NamedSharding(full, P("fsdp")))
@@ -685,6 +716,47 @@ def test_manager_records_an_idle_device_an_error_names():
     np.testing.assert_array_equal(np.asarray(state), np.arange(8.0))
 
 
+def test_manager_error_parser_may_name_devices_and_must_name_something_sensible():
+    full = mesh_of((4, 2), ("data", "fsdp"))
+    calls = []
+
+    def step(state, mesh):
+        calls.append(dict(mesh.shape))
+        if len(calls) == 1:
+            raise RuntimeError("the runtime's own wording")
+        return add_one(state, mesh)
+
+    em = reshard.ElasticManager(full, "data", error_parser=lambda e: [DEVICES[7]])
+    state, _ = em.run_step(step, simple_state(full))
+    assert calls == [{"data": 4, "fsdp": 2}, {"data": 3, "fsdp": 2}] and em.lost_devices == {7}
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(32.0).reshape(8, 4) + 1)
+    bad = reshard.ElasticManager(full, "data", error_parser=lambda e: ["7"])
+    with pytest.raises(
+        TypeError,
+        match=r"error_parser must return device ids or devices; "
+        r"it returned str: '7' for RuntimeError: boom",
+    ) as e:
+        bad.run_step(lambda s, m: (_ for _ in ()).throw(RuntimeError("boom")), simple_state(full))
+    assert isinstance(e.value.__cause__, RuntimeError)
+
+
+def test_manager_says_which_sizes_to_allow_when_the_state_does_not_divide():
+    full = mesh_of((4, 2), ("data", "fsdp"))
+    em = reshard.ElasticManager(full, "data")
+    state = {"opt": jax.device_put(np.arange(16.0), NamedSharding(full, P("data")))}
+    em.mark_lost([7])  # data 4 -> 3, which 16 does not divide by
+    with pytest.raises(ValueError, match=r"cannot be divided") as e:
+        em.apply(state)
+    assert "'data' has 3 of its 4 slices now" in str(e.value.__notes__)
+    assert "allowed_sizes=(1, 2, 4)" in str(e.value.__notes__)
+    assert em.pending and not state["opt"].is_deleted()
+    em2 = reshard.ElasticManager(full, "data", allowed_sizes=(1, 2, 4))
+    em2.mark_lost([7])
+    out = em2.apply(state)
+    assert dict(em2.mesh.shape) == {"data": 2, "fsdp": 2}
+    np.testing.assert_array_equal(np.asarray(out["opt"]), np.arange(16.0))
+
+
 def test_manager_data_loss_leaves_everything_as_it_was():
     full = mesh_of((2, 4), ("data", "fsdp"))
     em = reshard.ElasticManager(full, "data", donate=True)
@@ -754,6 +826,13 @@ def test_manager_argument_errors():
         reshard.grow_mesh(reshard.shrink_mesh(full, [4], "data"), np.array(4), "data")
     with pytest.raises(TypeError, match=r"DeviceLossError: expected a list of devices .* int: 4"):
         reshard.DeviceLossError(4)
+    with pytest.raises(ValueError, match=r"the mesh lists device\(s\) \[1\] more than once"):
+        reshard.ElasticManager(mesh_of((2, 2), ("data", "fsdp"), [0, 1, 1, 2]), "data")
+    x = jax.device_put(np.zeros(8), NamedSharding(full, P("fsdp")))
+    with pytest.raises(TypeError, match=r"recover: lost_devices must be an iterable .*array\(4\)"):
+        reshard.recover(x, reshard.shrink_mesh(full, [4], "data"), np.array(4))
+    with pytest.raises(TypeError, match=r"avoid_devices must be an iterable .*array\(4\)"):
+        reshard.reshard(x, NamedSharding(full, P()), avoid_devices=np.array(4))
 
 
 @pytest.mark.parametrize(
@@ -781,6 +860,8 @@ def test_manager_argument_errors():
         (RuntimeError("ABORTED: all-gather over devices [0, 1, 2, 3]: device 2 halted"), {2}),
         (RuntimeError("UNAVAILABLE: across devices (4, 5): TPU_5 heartbeat timed out"), {5}),
         (ValueError("UNAVAILABLE device 3 lost"), set()),
+        # A user's callback that raised, in JAX's words: the user's error, not a loss.
+        (RuntimeError("INTERNAL: CpuCallback error calling callback: device 3 failed"), set()),
     ],
 )
 def test_parse_lost_devices(error, ids):

@@ -488,8 +488,10 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices")
     errors name the argument as ``what``."""
     if avoid_devices is None:
         return frozenset()
-    if isinstance(avoid_devices, str | bytes | jax.Device) or not isinstance(
-        avoid_devices, Iterable
+    if (
+        isinstance(avoid_devices, str | bytes | jax.Device)
+        or not isinstance(avoid_devices, Iterable)
+        or (isinstance(avoid_devices, np.ndarray) and avoid_devices.ndim == 0)
     ):
         raise TypeError(
             f"{what} must be an iterable of devices or device ids, got "

@@ -129,8 +129,11 @@ _FAILURE = re.compile(
     re.IGNORECASE,
 )
 # Compilation and allocation failures name a device too, but lose none.
+# Nor does an error raised by the user's own callback (jax.pure_callback and kin), which
+# JAX reports as INTERNAL with the callback's message.
 _NOT_LOSS = re.compile(
-    r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b|\bcompil(?:e|ing|ation)\b|\ballocat(?:e|ion)\b",
+    r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b|\bcompil(?:e|ing|ation)\b|\ballocat(?:e|ion)\b"
+    r"|\w*Callback error",
     re.IGNORECASE,
 )
 # "devices [4, 5]", "device ids (4, 5)"; without brackets only after "device ids":
@@ -153,6 +156,11 @@ _ID_ONE = re.compile(
 )
 
 
+def _divisors_hint(n: int) -> tuple[int, ...]:
+    """The divisors of ``n``: the sizes to offer where the state divides by ``n``."""
+    return tuple(k for k in range(1, n + 1) if n % k == 0)
+
+
 def parse_lost_devices(error: BaseException) -> frozenset[int]:
     """The device ids an error reports as failed; empty when it is not a device loss.
 
@@ -161,8 +169,9 @@ def parse_lost_devices(error: BaseException) -> frozenset[int]:
     (``UNAVAILABLE``, ``DATA_LOSS``, ``INTERNAL``, "heartbeat", "unhealthy", "lost",
     "hardware", "ECC", "Xid", "device ... failed", ...) and names devices ("device 3",
     "devices [4, 5]", "TPU_3", "CudaDevice(id=3)", "gpu:3"); out-of-memory, compilation
-    and allocation errors never count, nor does a list of the devices an operation ran
-    on ("over devices [0, 1, 2, 3]"). Runtimes word these errors differently: pass your
+    and allocation errors never count, nor do errors of your own callbacks
+    (``jax.pure_callback``: "CpuCallback error"), nor does a list of the devices an
+    operation ran on ("over devices [0, 1, 2, 3]"). Runtimes word these errors differently: pass your
     own parser to ``ElasticManager`` when yours does not match (local GPU ordinals
     equal global ids only in single-process runs).
 
@@ -305,6 +314,13 @@ class ElasticManager:
             raise ValueError(
                 f"ElasticManager: axis {axis!r} is not an axis of the mesh (axis names "
                 f"{tuple(mesh.axis_names)}); pass the data-parallel axis"
+            )
+        ids = [d.id for d in mesh.devices.flat]
+        if len(set(ids)) != len(ids):
+            twice = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(
+                f"ElasticManager: the mesh lists device(s) {twice} more than once; a mesh "
+                "holds each device once"
             )
         retries: Any = max_retries  # any integral type (numpy's too), not bool
         if isinstance(retries, bool) or not isinstance(retries, Integral) or retries < 0:
@@ -451,13 +467,21 @@ class ElasticManager:
         t0 = time.perf_counter()
         try:
             out, p = _recover_with_plan(state, target, avoid, donate=self.donate)
-        except Exception:
+        except Exception as e:
             logger.error(
                 "could not move the state from mesh %s to %s avoiding devices %s",
                 old_shape,
                 new_shape,
                 sorted(avoid),
             )
+            size, full = new_shape[self.axis], self.full_mesh.shape[self.axis]
+            if isinstance(e, ValueError) and "cannot be divided" in str(e) and size != full:
+                e.add_note(
+                    f"ElasticManager: {self.axis!r} has {size} of its {full} slices now "
+                    f"(the most that avoid the lost devices); pass allowed_sizes= with "
+                    f"only the sizes of {self.axis!r} that the state divides by, e.g. "
+                    f"allowed_sizes={_divisors_hint(full)}"
+                )
             raise
         jax.block_until_ready(out)
         seconds = time.perf_counter() - t0
@@ -488,6 +512,19 @@ class ElasticManager:
         self._new_back.clear()
         self._cause = ""
 
+    def _parsed(self, error: Exception) -> set[int]:
+        """The device ids ``error_parser`` names (ids or devices) for ``error``."""
+        named = set()
+        for d in self.error_parser(error):
+            try:
+                named.add(device_id(d))
+            except ValueError:
+                raise TypeError(
+                    f"ElasticManager: error_parser must return device ids or devices; it "
+                    f"returned {type(d).__name__}: {d!r} for {type(error).__name__}: {error}"
+                ) from error
+        return named
+
     def run_step(self, step_fn: StepFn, state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Runs ``step_fn(state, mesh, *args, **kwargs)``, recovering from device loss.
 
@@ -509,6 +546,10 @@ class ElasticManager:
         Raises:
           RuntimeError: more than ``max_retries`` device losses in this step.
           DataLossError: a loss that destroyed the only copy of some state.
+          ValueError: no mesh avoids the lost devices, or the state cannot be laid out
+            on the mesh that does (its shape does not divide by the axis's new size:
+            see ``allowed_sizes``); the state and the pending change are kept.
+          TypeError: ``error_parser`` returned something other than ids or devices.
           Exception: any error of ``step_fn`` that is not a device loss, unchanged.
         """
         failures = 0
@@ -522,7 +563,7 @@ class ElasticManager:
                 return out
             except Exception as e:
                 active = {d.id for d in self.active_devices}
-                named = set(self.error_parser(e))
+                named = self._parsed(e)
                 lost = named & active
                 # Idle devices of the full mesh (in a dropped slice) that the error names
                 # are recorded too, so that no later grow puts the state back on them.

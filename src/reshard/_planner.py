@@ -287,7 +287,8 @@ def plan_leaves(
         for si, s in enumerate(spec.src):
             if s.device not in avoid:
                 holders[s.box].append(si)
-        lost_of[li] = merge_boxes([b for b in distinct if b not in holders])
+        # (A box without elements, of a zero-size array, say, holds nothing to lose.)
+        lost_of[li] = merge_boxes([b for b in distinct if b not in holders and volume(b)])
         if lost_of[li]:
             missing.extend((spec.name, b) for b in lost_of[li])
             continue
