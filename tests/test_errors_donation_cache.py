@@ -507,6 +507,12 @@ def test_plan_runs_on_an_equivalent_source_sharding():
     for other in (sharding([1, 0, 2, 3]), sharding([0, 1, 2, 3], memory_kind="pinned_host")):
         with pytest.raises(ValueError, match="the plan was built for"):
             p.execute(place(truth, other))
+    # Shardings whose text is the same (a Mesh's leaves out its devices) are told apart.
+    with pytest.raises(
+        ValueError,
+        match=r"differ in their devices: the plan's are \[0, 1, 2, 3\], the array's \[1, 0, 2, 3\]$",
+    ):
+        p.execute(place(truth, sharding([1, 0, 2, 3])))
 
 
 def test_plan_checks_leaves_placed_by_device_put(tree):

@@ -94,11 +94,33 @@ def _check_leaf(leaf: LeafInfo, v: Any) -> bool:
         or v.dtype != leaf.dtype
         or (v.sharding != src and not _equivalent(v.sharding, src, len(leaf.shape)))
     ):
+        order = ""
+        if str(src) == str(v.sharding):  # (a Mesh's text leaves out its devices)
+            order = (
+                f"; the two differ in their devices: the plan's are {_device_order(src)}, "
+                f"the array's {_device_order(v.sharding)}"
+            )
         raise ValueError(
             f"leaf {where}: the plan was built for {leaf.dtype}{list(leaf.shape)} on "
-            f"{src}, got {v.dtype}{list(v.shape)} on {v.sharding}"
+            f"{src}, got {v.dtype}{list(v.shape)} on {v.sharding}{order}"
         )
     return True
+
+
+def _device_order(s: Sharding | None) -> str:
+    """A sharding's device ids, in its mesh's shape where it has a mesh (a large one
+    summarised)."""
+
+    def text(ids: Any) -> str:
+        return np.array2string(np.asarray(ids), 10**6, separator=", ", threshold=64)
+
+    mesh = getattr(s, "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh):
+        logical = getattr(s, "_logical_device_ids", None)
+        order = "" if logical is None else f" (in the order {text(list(logical))})"
+        return text(mesh.device_ids) + order
+    ids = [] if s is None else [d.id for d in s._device_assignment]  # type: ignore[attr-defined]
+    return text(ids)
 
 
 def _equivalent(a: Sharding, b: Sharding | None, ndim: int) -> bool:
