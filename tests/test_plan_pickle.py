@@ -72,20 +72,36 @@ def test_a_plan_loads_in_another_process_with_the_same_devices(tmp_path: Path) -
     plan = reshard.plan(x, dst)
     (tmp_path / "plan.pkl").write_bytes(pickle.dumps(plan))
     np.save(tmp_path / "w.npy", np.asarray(truth["w"]).view(np.uint16))
+    np.save(tmp_path / "pinned.npy", np.asarray(truth["pinned"]))
+    np.save(tmp_path / "key.npy", np.asarray(jax.random.key_data(truth["key"])))
+    # The loaded plan runs there too, on arrays made there, checked against the truth.
     script = textwrap.dedent(
         f"""
         import pickle, sys
         import jax
         jax.config.update("jax_num_cpu_devices", {{n}})
+        import ml_dtypes
         import numpy as np
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from helpers import check_result, place
         try:
             plan = pickle.loads(open({str(tmp_path / "plan.pkl")!r}, "rb").read())
         except ValueError as e:
             print("ERROR", e)
             sys.exit(0)
-        devs = np.array(jax.devices())
         print(plan.stats.bytes_moved, plan.executor)
+        load = lambda name: np.load({str(tmp_path)!r} + "/" + name + ".npy")
+        truth = {{
+            "w": load("w").view(ml_dtypes.bfloat16),
+            "pinned": load("pinned"),
+            "key": jax.random.wrap_key_data(load("key")),
+        }}
+        leaves = {{leaf.path: leaf for leaf in plan.leaves}}
+        x = {{k: place(v, leaves[f"['{{k}}']"].src_sharding) for k, v in truth.items()}}
+        out = plan.execute({{**x, "scalar": 3}})
+        for k, v in truth.items():
+            check_result(out[k], v, leaves[f"['{{k}}']"].dst_sharding)
+        assert int(out["scalar"]) == 3
+        print("ran")
         """
     )
     for n, expect in (
@@ -101,6 +117,7 @@ def test_a_plan_loads_in_another_process_with_the_same_devices(tmp_path: Path) -
         )
         assert res.returncode == 0, res.stderr
         assert res.stdout.startswith(expect), res.stdout
+        assert res.stdout.rstrip().endswith("ran") == (n == 8), res.stdout
     assert "plan again here with reshard.plan" in res.stdout
 
 
