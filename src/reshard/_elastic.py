@@ -404,6 +404,10 @@ class ElasticManager:
     def mark_returned(self, devices: Iterable[Any]) -> None:
         """Records devices that are healthy again; the next step spreads the state back.
 
+        Pass later steps the state ``apply`` (or ``run_step``) made after the loss, not
+        one made before it: that one may hold shards on these devices, which ``apply``
+        takes as they are (it cannot tell that they may be stale).
+
         Raises:
           ValueError: a device that is not in the full mesh.
         """
