@@ -293,10 +293,12 @@ def test_a_coordinator_port_taken_before_process_0_binds_it_is_replaced(
         assert all(p.read_text() == "ran\n" for p in tmp_path.iterdir())
         assert elapsed < 60, f"the failed attempt was not ended promptly: {elapsed:.1f} s"
 
-        # A port that stays taken: a few attempts, then a clear failure.
+        # A port that stays taken: a few attempts (2 here, to save time), then a clear
+        # failure.
+        monkeypatch.setattr(_launch, "_PORT_ATTEMPTS", 2)
         ports, chosen[:] = iter([held] * 9), []
         with pytest.raises(
-            LaunchError, match=r"(?s)process 0 failed first.*port was taken .* each of the 3 ports"
+            LaunchError, match=r"(?s)process 0 failed first.*port was taken .* each of the 2 ports"
         ):
             launch_local(f"{HERE}:_target_count_runs", 2, 1, args=[str(tmp_path / "x")])
         assert len(chosen) == _launch._PORT_ATTEMPTS and not (tmp_path / "x").exists()

@@ -171,9 +171,9 @@ def parse_lost_devices(error: BaseException) -> frozenset[int]:
     "devices [4, 5]", "TPU_3", "CudaDevice(id=3)", "gpu:3"); out-of-memory, compilation
     and allocation errors never count, nor do errors of your own callbacks
     (``jax.pure_callback``: "CpuCallback error"), nor does a list of the devices an
-    operation ran on ("over devices [0, 1, 2, 3]"). Runtimes word these errors differently: pass your
-    own parser to ``ElasticManager`` when yours does not match (local GPU ordinals
-    equal global ids only in single-process runs).
+    operation ran on ("over devices [0, 1, 2, 3]"). Runtimes word these errors
+    differently: pass your own parser to ``ElasticManager`` when yours does not match
+    (local GPU ordinals equal global ids only in single-process runs).
 
     Args:
       error: the exception a step raised.
@@ -482,7 +482,8 @@ class ElasticManager:
             if isinstance(e, ValueError) and "cannot be divided" in str(e) and size != full:
                 e.add_note(
                     f"ElasticManager: {self.axis!r} has {size} of its {full} slices now "
-                    f"(the most that avoid the lost devices); pass allowed_sizes= with "
+                    f"(the largest size{' of allowed_sizes' if self.allowed_sizes else ''} "
+                    f"that avoids the lost devices); pass allowed_sizes= with "
                     f"only the sizes of {self.axis!r} that the state divides by, e.g. "
                     f"allowed_sizes={_divisors_hint(full)}"
                 )
