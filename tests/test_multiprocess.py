@@ -588,31 +588,63 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     def agreement_leaves_avoided_devices_out() -> None:
         # Recovering from lost devices: the check that every process built the same
         # plan ran an all-gather over every device, lost ones included (on real
-        # hardware it would fail or hang there). Now it runs on one device per process,
-        # none of them lost; a process with no device left takes no part.
+        # hardware it would fail or hang there). Now no device takes part: it goes
+        # through jax.distributed's key-value store. Without the store it runs on one
+        # device per process, none of them lost; a process with no device left takes
+        # no part.
         src = ns(devs.reshape(2, -1), ("r", "f"), P("f"))  # replicated over r
         lost = [d.id for d in devs.reshape(2, -1)[1][:2]]  # two devices of the 2nd row
         dst = ns(devs.reshape(2, -1)[0], ("f",), P("f"))
         whole = [d.id for d in devs.reshape(2, -1)[1]]  # the second call avoids these
         used: list[list[int]] = []
-        original = _collective_executor._gather
+        exchanged: list[int] = []
+        gather, exchange = _collective_executor._gather, _collective_executor._exchange
+        client = _compat.distributed_client
 
-        def spy(mine: Any, devices: Any) -> Any:
+        def spy_gather(mine: Any, devices: Any) -> Any:
             used[-1].extend(d.id for d in devices)
-            return original(mine, devices)
+            return gather(mine, devices)
 
-        _collective_executor._gather = spy
+        def spy_exchange(*args: Any) -> Any:
+            exchanged.append(1)
+            return exchange(*args)
+
+        _collective_executor._gather = spy_gather
+        _collective_executor._exchange = spy_exchange
         try:
-            used.append([])
-            check(reshard.recover(make(a, src), dst, lost_devices=lost), a, dst)
-            used.append([])
-            check(reshard.reshard(make(a, src), dst, avoid_devices=whole), a, dst)
+            for store in (True, False):
+                if not store:
+                    _compat.distributed_client = lambda: None  # type: ignore[assignment]
+                used.append([])
+                check(reshard.recover(make(a, src), dst, lost_devices=lost), a, dst)
+                used.append([])
+                check(reshard.reshard(make(a, src), dst, avoid_devices=whole), a, dst)
+                if store and (exchanged != [1, 1] or used != [[], []]):
+                    MISMATCHES.append(f"store: exchanged {exchanged}, gathered over {used}")
         finally:
-            _collective_executor._gather = original
-        for ids, avoided in zip(used, (lost, whole), strict=True):
+            _collective_executor._gather = gather
+            _collective_executor._exchange = exchange
+            _compat.distributed_client = client  # type: ignore[assignment]
+        for ids, avoided in zip(used[2:], (lost, whole), strict=True):
             alive_here = any(d.process_index == me and d.id not in avoided for d in devs)
             if set(ids) & set(avoided) or (alive_here and not ids):
                 MISMATCHES.append(f"agreed over devices {ids}, avoiding {avoided}")
+
+    def different_lost_devices_raise_on_every_process() -> None:
+        # Processes that name different lost devices break the contract; the check
+        # picked its devices by each process's own lost devices, so the processes
+        # waited for each other in different all-gathers, or one of them went ahead
+        # alone. Each raises now, at once, and all stay in step.
+        src = ns(devs.reshape(2, -1), ("r", "f"), P("f"))  # replicated over r
+        dst = ns(devs.reshape(2, -1)[0][-2:], ("f",), P("f"))
+        first, theirs = devs.reshape(2, -1)[0][0].id, [d.id for d in devs[half:]]
+        for mine in ([first] if me == 0 else [], theirs if me == 0 else []):
+            try:
+                reshard.recover(make(a, src), dst, lost_devices=mine)
+                raise AssertionError("different lost devices did not raise")
+            except ValueError as e:
+                assert "different arguments on different processes" in str(e), e
+        check(reshard.recover(make(a, src), dst, lost_devices=[first]), a, dst)
 
     def different_arguments_raise_on_every_process() -> None:
         # Process 0 asks for another layout than the others: a broken contract that
@@ -898,6 +930,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             donation_keeps_what_outputs_hold,
             failure_leaves_inputs_intact,
             agreement_leaves_avoided_devices_out,
+            different_lost_devices_raise_on_every_process,
             different_arguments_raise_on_every_process,
             a_call_failing_on_one_process_is_not_paired_with_its_next,
             calls_in_another_order_raise_on_every_process,
@@ -1083,6 +1116,7 @@ SCENARIOS = [
     "donation_keeps_what_outputs_hold",
     "failure_leaves_inputs_intact",
     "agreement_leaves_avoided_devices_out",
+    "different_lost_devices_raise_on_every_process",
     "different_arguments_raise_on_every_process",
     "a_call_failing_on_one_process_is_not_paired_with_its_next",
     "calls_in_another_order_raise_on_every_process",

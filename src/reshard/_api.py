@@ -35,7 +35,7 @@ PLAN_CACHE_SIZE = 128
 # contract), so the first evolves alike on every process; calls within one process may
 # differ per process, as often as it likes (docs/multiprocess.md). In one shared LRU
 # those would evict a collective plan on one process only, which then checks its
-# rebuilt plan with the others (an all-gather) while they run the cached one: a hang.
+# rebuilt plan with the others (``agree``) while they run the cached one: a hang.
 _cache: OrderedDict[Hashable, Plan] = OrderedDict()
 _local_cache: OrderedDict[Hashable, Plan] = OrderedDict()
 _cache_lock = threading.Lock()

@@ -27,6 +27,7 @@ every output exists, so a failure leaves the inputs intact.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -44,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from . import _collective_device as device_packed
 from . import _collective_host as host_packed
-from . import _programs
+from . import _compat, _programs
 from ._collective_common import (
     AXIS,
     all_copies,
@@ -393,12 +394,15 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
 
     Processes that were called with different arguments (breaking the
     multi-controller contract, e.g. destination shardings built from
-    ``jax.local_devices()``) would otherwise wait for each other in mismatched
-    collectives (for 30 minutes, XLA's default). One small all-gather over every
-    process, once per program: a program that has agreed is not checked again (each
-    call would pay the all-gather, ~4 ms over gloo here), so a process that later
-    changes its arguments while the others reuse the program leaves them waiting in
-    its collectives; ``RESHARD_COLLECTIVE_TIMEOUT_S`` bounds that wait.
+    ``jax.local_devices()``, or different lost devices) would otherwise wait for each
+    other in mismatched collectives (for 30 minutes, XLA's default). Each process posts
+    a fingerprint of its program to ``jax.distributed``'s key-value store and reads
+    every other process's: no device takes part, so neither lost devices nor a choice
+    of devices that differs between processes can hang the check. (Without that store,
+    one small all-gather over one device per process, none of them avoided.) Once per
+    program: a program that has agreed is not checked again, so a process that later
+    changes its arguments while the others reuse the program leaves them waiting in its
+    collectives; ``RESHARD_COLLECTIVE_TIMEOUT_S`` bounds that wait.
 
     Raises:
       ValueError: on every process, naming the processes that built each plan.
@@ -406,29 +410,64 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
     if jax.process_count() == 1:
         return
     kinds = repr([getattr(s, "memory_kind", None) for s in shardings]).encode()
-    mine = np.frombuffer(hashlib.sha256(program.fingerprint + kinds).digest()[:16], np.uint32)
-    # Over one device per process, none of them to avoid: an all-gather over every
-    # device (multihost_utils.process_allgather) would run on lost devices. A process
-    # with no device left runs none of the plan's programs, and takes no part.
-    reps: dict[int, Any] = {}
-    for d in sorted(jax.devices(program.platform), key=lambda d: d.id):
-        if d.id not in program.avoid:
-            reps.setdefault(d.process_index, d)
-    if jax.process_index() not in reps:
-        return
-    processes = sorted(reps)
-    everyone = _gather(mine, [reps[p] for p in processes]).reshape(len(processes), -1)
+    digest = hashlib.sha256(program.fingerprint + kinds).digest()[:16]
+    client = _compat.distributed_client()
+    if client is not None:
+        everyone = _exchange(client, digest)
+    else:
+        # One device per process, none avoided (a process with no device left runs
+        # none of the plan's programs, and takes no part).
+        reps: dict[int, Any] = {}
+        for d in sorted(jax.devices(program.platform), key=lambda d: d.id):
+            if d.id not in program.avoid:
+                reps.setdefault(d.process_index, d)
+        if jax.process_index() not in reps:
+            return
+        mine = np.frombuffer(digest, np.uint32)
+        rows = _gather(mine, [reps[p] for p in sorted(reps)]).reshape(len(reps), -1)
+        everyone = {p: row.tobytes() for p, row in zip(sorted(reps), rows, strict=True)}
     groups: dict[bytes, list[int]] = {}
-    for p, fingerprint in zip(processes, everyone, strict=True):
-        groups.setdefault(fingerprint.tobytes(), []).append(p)
+    for p, fingerprint in sorted(everyone.items()):
+        groups.setdefault(fingerprint, []).append(p)
     if len(groups) > 1:
         raise ValueError(
             f"reshard was called with different arguments on different processes: they "
             f"built {len(groups)} different plans, processes "
             f"{' | '.join(map(str, groups.values()))} each building one. Every process must "
             "pass the same pytree, avals, source and destination shardings (built from "
-            "the global jax.devices()) and options, in the same order of calls"
+            "the global jax.devices()), lost or avoided devices and options, in the same "
+            "order of calls"
         )
+
+
+_AGREE_KEY = "reshard/agree"
+_agreements = 0  # checks this process has made: the same count on every process
+
+
+def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
+    """Every process's digest for this check, through the coordination service's
+    key-value store, keyed by the count of checks (every process checks a plan that
+    crosses processes the first time it runs, so the counts pair up as collectives
+    would). Waits for each as long as it takes: ``RESHARD_COLLECTIVE_TIMEOUT_S``'s
+    watchdog bounds it, as it does the collectives."""
+    global _agreements
+    _agreements += 1
+    me = jax.process_index()
+    key = f"{_AGREE_KEY}/{_agreements}"
+    client.key_value_set(f"{key}/{me}", digest.hex(), allow_overwrite=True)
+    everyone = {me: digest}
+    for p in range(jax.process_count()):
+        while p not in everyone:
+            try:
+                everyone[p] = bytes.fromhex(client.blocking_key_value_get(f"{key}/{p}", 60_000))
+            except Exception as e:  # the store's timeout, or the service's failure
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+    # Every process has posted for this check, so each has read this process's key of
+    # the previous one: that key is no longer needed.
+    with contextlib.suppress(Exception):
+        client.key_value_delete(f"{_AGREE_KEY}/{_agreements - 1}/{me}")
+    return everyone
 
 
 def _gather(mine: np.ndarray, devices: Sequence[Any]) -> np.ndarray:

@@ -46,8 +46,21 @@ _backends_are_initialized: Any = _private("jax._src.xla_bridge", "backends_are_i
 _explicit_put_scope: Any = _private("jax._src.config", "explicit_device_put_scope")
 _is_default_layout: Any = _private("jax._src.interpreters.pxla", "is_default_layout")
 
+_distributed_state: Any = _private("jax._src.distributed", "global_state")
+
 # Tests flip this to exercise the public fallbacks.
 USE_PRIVATE = True
+
+
+def distributed_client() -> Any:
+    """The client of ``jax.distributed``'s coordination service (its key-value store:
+    ``key_value_set``, ``blocking_key_value_get``, ...), or ``None`` where there is
+    none (not initialised, or no such API in this JAX)."""
+    if not USE_PRIVATE or _distributed_state is None:
+        return None
+    client = getattr(_distributed_state, "client", None)
+    needed = ("key_value_set", "blocking_key_value_get", "key_value_delete")
+    return client if all(hasattr(client, m) for m in needed) else None
 
 
 def backends_initialized() -> bool | None:
