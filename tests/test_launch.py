@@ -403,7 +403,9 @@ def test_no_orphans_after_timeout_including_grandchildren(tmp_path: Path) -> Non
         1,
         args=[str(tmp_path)],
         initialize=False,
-        timeout_s=3,
+        # Long enough for both children to import this file (numpy, pytest) and spawn
+        # their grandchildren on a loaded 2-core machine: 3 s was not, twice.
+        timeout_s=8,
         check=False,
     )
     pids = _wait_pid_files(tmp_path, 2, within_s=1)
