@@ -19,6 +19,7 @@ import math
 import os
 import re
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -1082,6 +1083,40 @@ def test_a_process_skipping_a_call_ends_every_process_with_the_watchdog_on(
         assert r.duration_s < limit_s + 30, described
     # The stuck process learned that its peers are gone long before its sleep ended.
     assert results[2].duration_s < 60, described
+
+
+def _skip_a_first_run(wait_s: float) -> str:
+    """Process 1 skips a call whose plan runs for the first time; process 0 waits in
+    the check of that plan (no watchdog) and gives up after ``wait_s``."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+    from reshard import _collective_executor
+
+    _collective_executor.AGREE_WAIT_S = wait_s
+    devs = np.array(jax.devices())
+    x = jax.make_array_from_callback(
+        (8,), NamedSharding(Mesh(devs[:1], ("a",)), P()), lambda i: np.arange(8.0)[i], dtype=float
+    )
+    if jax.process_index() == 1:
+        time.sleep(3 * wait_s)  # (then leaves, without the call)
+        return "skipped"
+    try:
+        reshard.reshard(x, NamedSharding(Mesh(devs[1:], ("b",)), P()))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_first_run_check_waits_for_a_skipped_call_only_so_long() -> None:
+    results = launch_local(f"{HERE}:_skip_a_first_run", 2, 1, args=[2.0], timeout_s=40)
+    assert results[1].value == "skipped"
+    assert results[0].value.startswith("reshard: waited 2 s for processes [1] to check"), results
+    assert "skipped the call, or are out of step" in results[0].value
+    assert results[0].duration_s < results[1].duration_s
 
 
 def test_collective_timeout_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

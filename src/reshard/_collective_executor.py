@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -442,24 +443,38 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
 
 _AGREE_KEY = "reshard/agree"
 _agreements = 0  # checks this process has made: the same count on every process
+# How long a check waits for its peers, as XLA's CPU collectives wait for theirs (the
+# all-gather the check once was gave up after 30 minutes).
+AGREE_WAIT_S = 1800.0
 
 
 def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
     """Every process's digest for this check, through the coordination service's
     key-value store, keyed by the count of checks (every process checks a plan that
     crosses processes the first time it runs, so the counts pair up as collectives
-    would). Waits for each as long as it takes: ``RESHARD_COLLECTIVE_TIMEOUT_S``'s
-    watchdog bounds it, as it does the collectives."""
+    would). Waits for each up to ``AGREE_WAIT_S``; ``RESHARD_COLLECTIVE_TIMEOUT_S``'s
+    watchdog bounds it sooner, as it does the collectives."""
     global _agreements
     _agreements += 1
     me = jax.process_index()
     key = f"{_AGREE_KEY}/{_agreements}"
     client.key_value_set(f"{key}/{me}", digest.hex(), allow_overwrite=True)
     everyone = {me: digest}
+    deadline = time.monotonic() + AGREE_WAIT_S
     for p in range(jax.process_count()):
         while p not in everyone:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                missing = [q for q in range(jax.process_count()) if q not in everyone]
+                raise RuntimeError(
+                    f"reshard: waited {AGREE_WAIT_S:g} s for processes {missing} to check "
+                    "the plan of this call with the others (the first run of a plan that "
+                    "crosses processes): they skipped the call, or are out of step; set "
+                    "RESHARD_COLLECTIVE_TIMEOUT_S to bound such waits sooner"
+                )
             try:
-                everyone[p] = bytes.fromhex(client.blocking_key_value_get(f"{key}/{p}", 60_000))
+                got = client.blocking_key_value_get(f"{key}/{p}", min(left_ms, 60_000))
+                everyone[p] = bytes.fromhex(got)
             except Exception as e:  # the store's timeout, or the service's failure
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
