@@ -126,9 +126,15 @@ def _target_spawn_stubborn_and_exit(pid_dir: str) -> None:
 # --- helpers -----------------------------------------------------------------------
 
 
+def _exit_0_if_sigterm_is_default() -> None:
+    sys.exit(0 if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else 1)
+
+
 def _target_terminate_forked_children() -> list[int | None]:
     # multiprocessing's "fork" children inherit the launcher's SIGTERM handler: ending
-    # one (as a Pool's __exit__ does) once killed the whole group, this worker too.
+    # one (as a Pool's __exit__ does) once killed the whole group, this worker too; and
+    # one stuck in native code could not run it, so a Pool's terminate() hung (at times,
+    # on a loaded machine). A forked child now has SIGTERM's default action.
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -139,7 +145,10 @@ def _target_terminate_forked_children() -> list[int | None]:
     child.join()
     with ctx.Pool(2) as pool:
         squares = pool.map(abs, [-1, -2, -3])
-    return [child.exitcode, *squares]
+    default = ctx.Process(target=_exit_0_if_sigterm_is_default)
+    default.start()
+    default.join()
+    return [child.exitcode, *squares, default.exitcode]
 
 
 def _target_env(names: list[str]) -> list[str | None]:
@@ -392,7 +401,7 @@ def test_a_worker_may_terminate_its_forked_children() -> None:
     results = launch_local(
         f"{HERE}:_target_terminate_forked_children", 1, 1, initialize=False, timeout_s=30
     )
-    assert results[0].value == [-signal.SIGTERM, 1, 2, 3]
+    assert results[0].value == [-signal.SIGTERM, 1, 2, 3, 0]
 
 
 @pytest.mark.timeout(60)

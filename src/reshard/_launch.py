@@ -719,6 +719,11 @@ def _die_with_parent() -> None:
         os.killpg(0, signal.SIGKILL)
 
     signal.signal(signal.SIGTERM, end_group)
+    # A child forked without exec gets SIGTERM's default action back at once: with this
+    # Python-level handler, one stuck in native code (a lock some other thread held at
+    # the fork, say) would never run it, and a Pool's terminate() would wait for it
+    # forever. (end_group's own check stays, for a fork that skips the hook.)
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     set_parent_death_signal(signal.SIGTERM)
     if parent and os.getppid() != parent:
         end_group()
