@@ -309,13 +309,13 @@ def test_a_coordinator_port_taken_before_process_0_binds_it_is_replaced(
         with pytest.raises(
             LaunchError, match=r"(?s)process 0 failed first.*port was taken .* each of the 2 ports"
         ):
-            launch_local(f"{HERE}:_target_count_runs", 2, 1, args=[str(tmp_path / "x")])
+            launch_local(f"{HERE}:_target_count_runs", 1, 1, args=[str(tmp_path / "x")])
         assert len(chosen) == _launch._PORT_ATTEMPTS and not (tmp_path / "x").exists()
     # A target's own exit status 75 (the launcher's status for a taken port) is not
     # mistaken for one: the target does not run again.
     chosen[:] = []
     with pytest.raises(LaunchError, match=r"process 0: exit code 75"):
-        launch_local(f"{HERE}:_target_exit", 2, 1, args=[75], peer_failure_grace_s=1.0)
+        launch_local(f"{HERE}:_target_exit", 1, 1, args=[75])
     assert len(chosen) == 1
 
 
