@@ -33,7 +33,14 @@ from jax.sharding import Mesh, NamedSharding
 
 from ._api import _avoid_ids
 from ._api import plan as make_plan
-from ._mesh_surgery import _listed, carry_shardings, check_allowed_sizes, device_id, shrink_mesh
+from ._mesh_surgery import (
+    _listed,
+    carry_shardings,
+    check_allowed_sizes,
+    device_id,
+    repeated_ids,
+    shrink_mesh,
+)
 from ._plan import Plan, human_bytes
 
 logger = logging.getLogger("reshard.elastic")
@@ -315,9 +322,8 @@ class ElasticManager:
                 f"ElasticManager: axis {axis!r} is not an axis of the mesh (axis names "
                 f"{tuple(mesh.axis_names)}); pass the data-parallel axis"
             )
-        ids = [d.id for d in mesh.devices.flat]
-        if len(set(ids)) != len(ids):
-            twice = sorted({i for i in ids if ids.count(i) > 1})
+        twice = repeated_ids(d.id for d in mesh.devices.flat)
+        if twice:
             raise ValueError(
                 f"ElasticManager: the mesh lists device(s) {twice} more than once; a mesh "
                 "holds each device once"

@@ -17,6 +17,7 @@ devices, so they are tested on meshes of thousands of synthetic ids. ``shrink_me
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -100,6 +101,11 @@ def axis_position(axis_names: Sequence[Any], axis: Any, where: str) -> int:
             "pass one of these names, usually the data-parallel axis"
         )
     return names.index(axis)
+
+
+def repeated_ids(ids: Iterable[int]) -> list[int]:
+    """The ids that ``ids`` lists more than once, sorted."""
+    return sorted(i for i, n in Counter(ids).items() if n > 1)
 
 
 def _listed(devices: Iterable[Any], where: str = "") -> Iterable[Any]:
@@ -240,7 +246,7 @@ def grow_grid(
     where = describe_grid(devices, axis_names)
     if not new:
         raise ValueError(f"grow_mesh: no devices given to add to the {where}")
-    dup = sorted({i for i in new_ids if new_ids.count(i) > 1})
+    dup = repeated_ids(new_ids)
     if dup:
         raise ValueError(f"grow_mesh: devices {dup} are given more than once; list each once")
     present = sorted(set(new_ids) & set(grid_ids(devices).ravel().tolist()))
