@@ -387,9 +387,11 @@ def test_donated_recovery_runs_nothing_on_lost_devices(handover_all, monkeypatch
     from reshard import _compat
 
     ran = []
-    real = _compat.donating_identity
+    real = _compat.prepare_donating_identity
     monkeypatch.setattr(
-        _compat, "donating_identity", lambda xs: ran.append(xs[0].sharding.device_set) or real(xs)
+        _compat,
+        "prepare_donating_identity",
+        lambda xs: ran.append(xs[0].sharding.device_set) or real(xs),
     )
     full = mesh_of((2, 4), ("data", "fsdp"))
     survivors = mesh_of((1, 4), ("data", "fsdp"), [0, 1, 2, 3])

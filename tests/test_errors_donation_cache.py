@@ -244,12 +244,15 @@ def _input(kind, src):
     if kind == "key":
         data = np.arange(16, dtype=np.uint32).reshape(8, 2)
         return place(jax.random.wrap_key_data(data), src), data
+    if kind == "int4":  # (on CPU its buffers' layout reads as unpacked, jax 0.10)
+        truth = (np.arange(32) % 7).astype(jnp.int4).reshape(8, 4)
+        return place(truth, src), truth
     truth = np.arange(32.0, dtype=np.float32).reshape(8, 4)
     return place(truth, src), truth
 
 
 @pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
-@pytest.mark.parametrize("kind", ["float", "weak", "key", "pinned_host"])
+@pytest.mark.parametrize("kind", ["float", "weak", "key", "pinned_host", "int4"])
 def test_donating_an_array_that_partly_stays_consumes_it(
     handover_all, monkeypatch, executor, pack_on_host, kind
 ):
@@ -566,6 +569,27 @@ def test_plan_used_on_other_input(tree):
 def test_avoided_destination_device(tree):
     with pytest.raises(ValueError, match=r"destination sharding uses avoided devices \[4\]"):
         reshard.reshard(tree, sharding([4, 5]), avoid_devices=[DEVS[4]])
+
+
+def test_leaves_moved_by_device_put_neither_land_on_nor_read_avoided_devices():
+    # A numpy leaf, and a key array on a GSPMDSharding (JAX's own path), go through
+    # jax.device_put, which cannot be steered away from a device.
+    from jax._src.sharding_impls import GSPMDSharding
+
+    named = sharding([0, 1, 2, 3], P("a"))
+    gspmd = GSPMDSharding(named._device_assignment, named._to_xla_hlo_sharding(1))
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), gspmd)
+    dst = sharding([4, 5, 6, 7], P("a"))
+    with pytest.raises(ValueError, match=r"leaf \[1\]: its source uses avoided devices \[0\]"):
+        reshard.reshard([np.arange(4.0), keys], dst, avoid_devices=[0])
+    with pytest.raises(ValueError, match=r"leaf <root>: the destination .* avoided devices \[4\]"):
+        reshard.reshard(np.arange(4.0), dst, avoid_devices=[4])
+    assert not keys.is_deleted()
+    elsewhere = sharding([4, 5], P("a"))  # neither side on an avoided device: moved
+    out = reshard.reshard([np.arange(4.0), keys], elsewhere, avoid_devices=[6, 7])
+    np.testing.assert_array_equal(np.asarray(out[0]), np.arange(4.0))
+    np.testing.assert_array_equal(jax.random.key_data(out[1]), jax.random.key_data(keys))
+    assert out[1].sharding.device_set == elsewhere.device_set
 
 
 def test_a_device_stands_for_its_single_device_sharding(tree):

@@ -145,6 +145,43 @@ def test_error_unconstrained_entry(which):
         find_intermediate_sharding(src, dst)
 
 
+@pytest.mark.parametrize("kind", ["reduced", "unreduced"])
+@pytest.mark.parametrize("which", ["in", "out"])
+def test_error_reduced_or_unreduced_axes(which, kind):
+    # Not a plain ValueError from iterating such a spec: the helper's own error, so
+    # that reshard_with_intermediate_sharding reshards directly.
+    explicit = (AxisType.Explicit,) * 2
+    src_mesh = Mesh(np.array(DEVICES).reshape(4, 2), ("fsdp", "r"), axis_types=explicit)
+    dst_mesh = Mesh(np.array(DEVICES[:4]).reshape(2, 2), ("tp", "r"), axis_types=explicit)
+    src_spec, dst_spec = P("fsdp", None), P(None, "tp")
+    if which == "in":
+        src_spec = P("fsdp", None, **{kind: {"r"}})
+    else:
+        dst_spec = P(None, "tp", **{kind: {"r"}})
+    src, dst = NamedSharding(src_mesh, src_spec), NamedSharding(dst_mesh, dst_spec)
+    with pytest.raises(
+        NoIntermediateShardingError, match=rf"the {which} spec has reduced or unreduced axes"
+    ):
+        find_intermediate_sharding(src, dst)
+    if kind == "reduced":
+        value = np.arange(64, dtype=np.float32).reshape(8, 8)
+        x = jax.device_put(value, src)
+        y = reshard.reshard_with_intermediate_sharding(x, src, dst)
+        assert y.sharding == dst
+        np.testing.assert_array_equal(np.asarray(y), value)
+        assert {s.device: s.index for s in y.addressable_shards} == dst.devices_indices_map(
+            value.shape
+        )
+
+
+def test_error_axis_names_would_clash():
+    # The input mesh already has an axis named like one the detour would add.
+    src = sharding((4, 2), ("x", "x" + reshard.INTERMEDIATE_SPLIT_SUFFIX), P("x", None))
+    dst = sharding((2,), ("t",), P(None, "t"))
+    with pytest.raises(NoIntermediateShardingError, match=r"would name axes .* twice"):
+        find_intermediate_sharding(src, dst)
+
+
 def test_error_spec_lengths_differ():
     src = sharding((8,), ("fsdp",), P("fsdp", None))
     dst = sharding((4,), ("tp",), P(None, "tp", None))

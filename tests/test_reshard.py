@@ -563,3 +563,29 @@ def test_device_executor_peak_extra_bounds_random_cases(case, seed):
     check_result(y, truth, dst)
     over = {d: v for d, v in seen.items() if v > p.stats.peak_extra_bytes.get(d, 0)}
     assert not over, (src, dst, over, p.stats.peak_extra_bytes)
+
+
+@pytest.mark.parametrize("executor", ["host", "device", "collective"])
+def test_reduced_specs_move_as_replicas_and_unreduced_ones_are_refused(executor):
+    # A spec may carry reduced axes (copies of one value) and unreduced ones (addends
+    # of a sum); such a spec refuses to be iterated, so every check reads its
+    # entries through ``partitions``.
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"), axis_types=explicit)
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    reduced = NamedSharding(mesh, P("a", None, reduced={"b"}))
+    plain = NamedSharding(mesh, P(None, "a"))
+    x = place(value, reduced)
+    out = reshard.plan(x, plain, executor=executor).execute(x)
+    check_result(out, value, plain)
+    back = reshard.plan(out, reduced, executor=executor).execute(out)
+    check_result(back, value, reduced)
+    assert jax.typeof(back) == jax.typeof(jax.device_put(out, reduced))  # (its aval)
+    unreduced = NamedSharding(mesh, P("a", None, unreduced={"b"}))
+    u = jax.device_put(value, unreduced)
+    for args, side in [((u, plain), "source"), ((x, unreduced), "destination")]:
+        with pytest.raises(ValueError, match=rf"the {side} spec .* is unreduced over \['b'\]"):
+            reshard.reshard(*args)
+    assert not x.is_deleted() and not u.is_deleted()
+    carried = reshard.carry_shardings({"x": reduced}, mesh)["x"]
+    assert carried == reduced

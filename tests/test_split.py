@@ -412,13 +412,74 @@ def test_error_bad_boundaries(mesh24, sections):
         split_by_mesh_axis(x, "fsdp", sections)
 
 
-@pytest.mark.parametrize("sections", ["12", 1.5, [1.5], True])
+@pytest.mark.parametrize(
+    "sections", [np.array(2), np.int8(2), jax.numpy.int32(2)], ids=["0-d", "np", "jax"]
+)
+def test_any_integer_scalar_is_a_count(mesh24, sections):
+    value = np.arange(8, dtype=np.float32)
+    x = put(value, mesh24, P("fsdp"))
+    parts = split_by_mesh_axis(x, "fsdp", sections)
+    assert [p.shape for p in parts] == [(4,), (4,)]
+    for k, part in enumerate(parts):
+        assert_bits(host(part), value[4 * k : 4 * k + 4])
+    assert len(split_by_mesh_axis({}, "fsdp", sections)) == 2
+
+
+@pytest.mark.parametrize(
+    "sections", ["12", 1.5, [1.5], True, [True], np.array(True), np.array([[1]]), np.array(2.0)]
+)
 def test_error_sections_of_wrong_type(mesh24, sections):
     x = put(np.ones(8), mesh24, P("fsdp"))
     with pytest.raises(
         ValueError, match=r"mesh_axis_indices_or_sections=.*(must be None, an int|must hold ints)"
     ):
         split_by_mesh_axis(x, "fsdp", sections)
+
+
+def test_error_struct_whose_shape_does_not_fit_its_sharding(mesh24):
+    # An array's shape always fits its sharding; a struct's is not checked by JAX, and
+    # its parts would get shapes that drop rows (5 on 2 devices -> parts of 2 and 2).
+    bad = jax.ShapeDtypeStruct((6,), np.float32, sharding=NamedSharding(mesh24, P("fsdp")))
+    with pytest.raises(ValueError, match=r"arrays\['w'\]: shape \(6,\) does not fit its sharding"):
+        split_by_mesh_axis({"w": bad}, "fsdp")
+    halves = [make_mesh((1,), ("a",), [0]), make_mesh((3,), ("a",), [1, 2, 3])]
+    parts = [
+        jax.ShapeDtypeStruct((n,), np.float32, sharding=NamedSharding(m, P("a")))
+        for n, m in zip([2, 7], halves, strict=True)
+    ]
+    with pytest.raises(ValueError, match=r"array_trees\[1\]: shape \(7,\) does not fit"):
+        concatenate_by_mesh_axis(parts, "a")
+
+
+@pytest.mark.parametrize("kind", ["reduced", "unreduced"])
+@pytest.mark.parametrize("axis", ["stage", "tp"])
+def test_specs_with_reduced_or_unreduced_axes_split_and_join(kind, axis):
+    # Such a spec refuses to be iterated ("Using *pspec is dangerous"): parts keep
+    # it whole. Splitting regroups buffers, so even the addends an unreduced array
+    # holds come back exactly (JAX gives such shards no index).
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = Mesh(np.array(DEVICES).reshape(4, 2), ("stage", "tp"), axis_types=explicit)
+    value = np.arange(32, dtype=np.float32).reshape(8, 4)
+    spec = P("stage", None, **{kind: {"tp"}})
+    x = put(value, mesh, spec)
+    held = {s.device: np.asarray(s.data) for s in x.addressable_shards}
+    parts = split_by_mesh_axis({"x": x}, axis)
+    for k, part in enumerate(parts):
+        got = part["x"]
+        assert got.sharding.spec == spec
+        rows = value[2 * k : 2 * k + 2] if axis == "stage" else value
+        assert got.shape == rows.shape
+        for shard in got.addressable_shards:
+            assert_bits(np.asarray(shard.data), held[shard.device])
+        if kind == "reduced":
+            assert_bits(host(got), rows)
+    joined = concatenate_by_mesh_axis(parts, axis)["x"]
+    assert joined.sharding == x.sharding
+    assert [s.device for s in joined.addressable_shards] == list(held)
+    for shard in joined.addressable_shards:
+        assert_bits(np.asarray(shard.data), held[shard.device])
+    if kind == "reduced":
+        assert_bits(host(joined), value)
 
 
 def test_error_abstract_mesh(mesh24):
@@ -593,6 +654,22 @@ def test_concatenate_error_different_axis_names():
         match=r"array_trees\[1\] is on a mesh with axes \('stage', 'dp'\), but array_trees\[0\] on one with axes \('stage', 'tp'\)",
     ):
         concatenate_by_mesh_axis([a, b], "stage")
+
+
+def test_concatenate_error_different_axis_types():
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    a = put(np.ones(4), make_mesh((2, 2), ("stage", "tp"), [0, 1, 2, 3]), P("stage"))
+    m = Mesh(np.array(DEVICES[4:8]).reshape(2, 2), ("stage", "tp"), axis_types=explicit)
+    b = put(np.ones(4), m, P("stage"))
+    with pytest.raises(ValueError, match=r"array_trees\[1\] is on a mesh with axis types"):
+        concatenate_by_mesh_axis([a, b], "stage")
+
+
+def test_error_struct_with_an_unconstrained_entry(mesh24):
+    loose = NamedSharding(mesh24, P(P.UNCONSTRAINED, "stage"))
+    s = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=loose)
+    with pytest.raises(ValueError, match=r"arrays\['w'\] has spec .* UNCONSTRAINED entry"):
+        split_by_mesh_axis({"w": s}, "fsdp")
 
 
 def test_concatenate_error_different_sizes_off_the_axis():
@@ -1071,17 +1148,60 @@ def test_a_failing_consume_leaves_every_input_intact(monkeypatch):
         x.shape, x.sharding, [s.data for s in x.addressable_shards]
     )
     z = put(value, mesh, P("stage", "tp"))  # alone: donated
-    original = _compat.donating_identity
 
     def broken(arrays):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(_compat, "donating_identity", broken)
+    monkeypatch.setattr(_compat, "prepare_donating_identity", broken)
     with pytest.raises(RuntimeError, match="injected failure"):
         split_by_mesh_axis([x, y, z], "stage", donate=True)
-    monkeypatch.setattr(_compat, "donating_identity", original)
+    monkeypatch.undo()
     for a in (x, y, z):
         _intact(a, value)
+
+
+@pytest.mark.parametrize("fails", ["copy", "program"])
+def test_concatenating_consumes_no_tree_when_a_later_one_fails(monkeypatch, fails):
+    # Each tree is donated in a call of its own (one device set each). The copies and
+    # programs of every tree come before any donation, so a failure in the second
+    # tree's (an out-of-memory copy of linked inputs, say) leaves the first intact.
+    from reshard import _compat
+
+    mesh, value, x = _rows_and_columns()
+    first, second = (jax.jit(lambda t: t + 0)(p) for p in split_by_mesh_axis(x, "stage", 2))
+    twin = jax.make_array_from_single_device_arrays(  # shares second's buffers: copied
+        second.shape, second.sharding, [s.data for s in second.addressable_shards]
+    )
+    calls = []
+    real_put, real_prepare = jax.device_put, _compat.prepare_donating_identity
+
+    def put_failing(*args, **kwargs):
+        if fails == "copy" and kwargs.get("may_alias") is False:
+            raise RuntimeError("injected failure")
+        return real_put(*args, **kwargs)
+
+    def prepare_failing(arrays):
+        calls.append(len(arrays))
+        if fails == "program" and len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real_prepare(arrays)
+
+    monkeypatch.setattr(jax, "device_put", put_failing)
+    monkeypatch.setattr(_compat, "prepare_donating_identity", prepare_failing)
+    trees = [{"w": first, "v": first}, {"w": second, "v": twin}]
+    if fails == "program":
+        trees[1] = {"w": second, "v": second}
+    with pytest.raises(RuntimeError, match="injected failure"):
+        concatenate_by_mesh_axis(trees, "stage")
+    monkeypatch.undo()
+    _intact(first, value[:4])
+    _intact(second, value[4:])
+    _intact(twin, value[4:])
+    assert calls  # the first tree's program was made before the failure
+    joined = concatenate_by_mesh_axis(trees, "stage")  # and all is there to join
+    assert first.is_deleted() and second.is_deleted()
+    assert_bits(host(joined["w"]), value)
+    assert joined["w"].sharding == x.sharding
 
 
 def test_linked_inputs_of_one_call_are_consumed_as_by_reshard():

@@ -376,6 +376,8 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
                 "pass live arrays"
             )
         shape, dtype, src = tuple(v.shape), v.dtype, v.sharding
+        if isinstance(src, NamedSharding) and _compat.unreduced_axes(src):
+            _check_concrete(where, "source", src)
     elif isinstance(v, jax.ShapeDtypeStruct):
         if v.sharding is None:
             raise ValueError(
@@ -421,25 +423,27 @@ def _key_data_sharding(s: Sharding, extra: int) -> Sharding | None:
         # the destination's own spec (shorter than the data's rank) keeps its spelling.
         return s
     if isinstance(s, NamedSharding):
-        spec = tuple(s.spec) + (None,) * extra
+        spec = _compat.spec_entries(s.spec) + (None,) * extra
         # ``update`` keeps the rest: memory kind, and a custom device order
         # (``_logical_device_ids``), without which the data's shards would be read
         # from, and put on, the wrong devices.
-        return s.update(spec=PartitionSpec(*spec))
+        return s.update(spec=_compat.with_entries(s.spec, spec))
     return None
 
 
 def _check_destination(where: str, shape: tuple[int, ...], dst: Sharding) -> None:
     _check_concrete(where, "destination", dst)
-    if isinstance(dst, NamedSharding) and PartitionSpec.UNCONSTRAINED in tuple(dst.spec):
+    spec = dst.spec if isinstance(dst, NamedSharding) else None
+    entries = () if spec is None else _compat.spec_entries(spec)
+    if PartitionSpec.UNCONSTRAINED in entries:
         raise ValueError(
-            f"leaf {where}: destination spec {dst.spec} leaves a dimension "
+            f"leaf {where}: destination spec {spec} leaves a dimension "
             "UNCONSTRAINED; a reshard needs a concrete layout (as jax.device_put does): "
             "name mesh axes or None for every dimension"
         )
-    if isinstance(dst, NamedSharding) and len(dst.spec) > len(shape):
+    if len(entries) > len(shape):
         raise ValueError(
-            f"leaf {where}: destination spec {dst.spec} has {len(dst.spec)} entries but the "
+            f"leaf {where}: destination spec {spec} has {len(entries)} entries but the "
             f"array has rank {len(shape)} (shape {shape}); use at most {len(shape)} entries"
         )
     try:
@@ -470,6 +474,14 @@ def _check_concrete(where: str, what: str, s: Sharding) -> None:
         )
     if not s.device_set:
         raise ValueError(f"leaf {where}: the {what} sharding {s} has no devices")
+    if axes := _compat.unreduced_axes(s):
+        raise ValueError(
+            f"leaf {where}: the {what} spec {getattr(s, 'spec', s)} is unreduced over "
+            f"{sorted(axes)}: "
+            "devices along those axes hold addends of a sum, not copies of one value, "
+            "and moving bytes cannot add them up (nor can jax.device_put). Reduce the "
+            "array first, inside your jitted step."
+        )
 
 
 def _check_distinct_devices(where: str, dst: Any) -> None:
@@ -565,6 +577,29 @@ def _shard_specs(
     )
 
 
+def _check_host_leaf_avoids(leaf: LeafInfo, avoid: frozenset[int]) -> None:
+    """A leaf that ``jax.device_put`` moves (a host value; a key array on a sharding
+    other than a NamedSharding) can be steered away from no device: it may neither
+    land on nor be read from an avoided one."""
+    where = leaf.path or "<root>"
+    dst_avoided = sorted(i for d in leaf.dst_sharding.device_set if (i := device_id(d)) in avoid)
+    if dst_avoided:
+        raise ValueError(
+            f"leaf {where}: the destination sharding uses avoided devices {dst_avoided}; "
+            "build the destination on surviving devices only"
+        )
+    src = leaf.src_sharding
+    src_ids = [device_id(d) for d in src.device_set] if src else []
+    src_avoided = sorted(i for i in src_ids if i in avoid)
+    if src_avoided:
+        raise ValueError(
+            f"leaf {where}: its source uses avoided devices {src_avoided}, and this leaf "
+            f"(a {leaf.dtype} array on a {type(src).__name__}) moves through "
+            "jax.device_put, which may read any of its devices; put it on a NamedSharding "
+            "before the devices are lost"
+        )
+
+
 def _build_plan(
     treedef: Any, leaves: tuple[LeafInfo, ...], executor: str, avoid: frozenset[int]
 ) -> Plan:
@@ -572,6 +607,8 @@ def _build_plan(
     platforms: set[str] = set()
     for leaf in leaves:
         if leaf.kind == HOST:
+            if avoid:
+                _check_host_leaf_avoids(leaf, avoid)
             continue
         src: Sharding | None = leaf.src_sharding
         dst: Sharding | None = leaf.dst_sharding

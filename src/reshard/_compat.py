@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Sharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec, Sharding, SingleDeviceSharding
 
 from . import _programs
 
@@ -125,6 +125,28 @@ def _addressable_devices(sharding: Sharding, use_private: bool) -> tuple[Any, ..
     del use_private  # part of the cache key only
     me = jax.process_index()
     return tuple(d for d in ordered_devices(sharding) if d.process_index == me)
+
+
+def spec_entries(spec: PartitionSpec) -> tuple[Any, ...]:
+    """A ``PartitionSpec``'s per-dimension entries. Since jax 0.7 a spec may also carry
+    ``reduced``/``unreduced`` axes, and then refuses to be iterated or indexed
+    ("Using *pspec is dangerous"); its ``partitions`` are the entries."""
+    partitions = getattr(spec, "partitions", None)
+    return tuple(spec) if partitions is None else tuple(partitions)
+
+
+def with_entries(spec: PartitionSpec, entries: Sequence[Any]) -> PartitionSpec:
+    """``spec`` with other per-dimension entries, its ``reduced``/``unreduced`` kept."""
+    if hasattr(spec, "update") and hasattr(spec, "partitions"):
+        return spec.update(partitions=tuple(entries))  # type: ignore[no-any-return]
+    return PartitionSpec(*entries)
+
+
+def unreduced_axes(sharding: Sharding) -> frozenset[Any]:
+    """The mesh axes a NamedSharding holds partial sums over (``unreduced``): its
+    devices along them hold different addends of one value, not copies of it."""
+    spec = getattr(sharding, "spec", None)
+    return frozenset(getattr(spec, "unreduced", None) or ())
 
 
 def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
@@ -326,14 +348,27 @@ def may_donate(a: jax.Array) -> bool:
 def donating_identity(arrays: list[jax.Array]) -> list[jax.Array]:
     """``arrays`` on new handles over the same buffers: a jitted identity that donates
     its arguments, so XLA aliases every output to its input buffer. The arguments must
-    share one device assignment, order included (one jit call), and no buffer.
+    share one device assignment, order included (one jit call), and no buffer."""
+    return prepare_donating_identity(arrays)()
 
-    One jitted function per signature (avals and shardings), in the bounded cache of
+
+def prepare_donating_identity(arrays: list[jax.Array]) -> Callable[[], list[jax.Array]]:
+    """``donating_identity(arrays)`` in two steps: compiles its program now (nothing is
+    donated) and returns the call that runs it. A caller donating on several device
+    sets (one call each) compiles every program first, so that a failure to build one
+    comes before any input is consumed; what can still fail after the first donation
+    is running an identity, which allocates nothing where XLA takes the donation.
+
+    One compiled program per signature (avals and shardings), in the bounded cache of
     compiled programs (``_programs``): one jitted function for everything would keep
     an executable for every signature it ever saw."""
     key = ("donating_identity", tuple((jax.typeof(a), a.sharding) for a in arrays))
     fn = _programs.shared(key, lambda: jax.jit(lambda xs: xs, donate_argnums=0))
-    return fn(arrays)  # type: ignore[no-any-return]
+    # Compiled here; the call below finds the executable in jit's own cache. (Not
+    # through the compiled object, whose stricter check refuses arguments in a layout
+    # jit's call accepts: 4-bit arrays on CPU, jax 0.10.)
+    fn.lower(arrays).compile()
+    return lambda: fn(arrays)  # type: ignore[no-any-return]
 
 
 def with_buffers(x: jax.Array, buffers: Sequence[jax.Array]) -> jax.Array:

@@ -514,9 +514,14 @@ def _donate(
                 list(shared.values()), [b.sharding for b in shared.values()], may_alias=False
             )
             remap.update(zip(shared, copies, strict=True))
-        for group_of in rehome.values():
-            new = _compat.donating_identity([found[a][1] for a in group_of])
-            for a, n in zip(group_of, new, strict=True):
+        # Every identity's program first (one per device assignment), so that a
+        # failure to build one comes before any array is donated.
+        runs = [
+            (group_of, _compat.prepare_donating_identity([found[a][1] for a in group_of]))
+            for group_of in rehome.values()
+        ]
+        for group_of, run in runs:
+            for a, n in zip(group_of, run(), strict=True):
                 home = _compat.device_buffers(n)
                 for k in found[a][2]:
                     if k in kept:

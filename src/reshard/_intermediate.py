@@ -21,6 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import _compat
 from ._split import shard_count, split_by_mesh_axis
 
 __all__ = [
@@ -54,7 +55,8 @@ class NoIntermediateShardingNeededError(NoIntermediateShardingError):
 
 def _entries(spec: PartitionSpec, rank: int) -> list[Any]:
     """The spec's entries; an empty spec reads as ``rank`` replicated dimensions."""
-    return list(spec) if len(spec) else [None] * rank
+    entries = _compat.spec_entries(spec)
+    return list(entries) if entries else [None] * rank
 
 
 def _single_axis(entry: Any) -> str | None:
@@ -120,7 +122,15 @@ def find_intermediate_sharding(
         )
     given = f"in_sharding={in_sharding!r}, out_sharding={out_sharding!r}"
     for name, given_spec in (("in", in_sharding.spec), ("out", out_sharding.spec)):
-        if PartitionSpec.UNCONSTRAINED in tuple(given_spec):
+        if getattr(given_spec, "reduced", None) or getattr(given_spec, "unreduced", None):
+            # Such a spec also says how devices along some axes relate (copies to be
+            # summed in the backward pass, or addends): the detour's replica split
+            # would have to keep that, which the seed's rules do not cover.
+            raise NoIntermediateShardingError(
+                f"the {name} spec has reduced or unreduced axes; intermediate shardings "
+                f"exist only between plain layouts. Got {given}."
+            )
+        if PartitionSpec.UNCONSTRAINED in _compat.spec_entries(given_spec):
             # Such a spec leaves the layout to the compiler: there are no shard counts
             # to reason about (Pathways refuses it too).
             raise NoIntermediateShardingError(
@@ -188,8 +198,14 @@ def find_intermediate_sharding(
         else:
             kept_axes.append((axis, size, kind))
     names, sizes, kinds = zip(*(replica_axes + kept_axes), strict=True)
+    if len(set(names)) != len(names):
+        clash = sorted(n for n in set(names) if names.count(n) > 1)
+        raise NoIntermediateShardingError(
+            f"the intermediate mesh would name axes {clash} twice: the input mesh already "
+            f"has an axis of that name. Got {given}."
+        )
     new_mesh = Mesh(mesh.devices.reshape(sizes), names, axis_types=kinds)
-    spec = list(in_sharding.spec)
+    spec = list(_compat.spec_entries(in_sharding.spec))
     for axis, (i, _, _) in candidates.items():
         spec[i] = axis + INTERMEDIATE_SPLIT_SUFFIX
     intermediate = NamedSharding(

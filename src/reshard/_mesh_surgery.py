@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from . import _compat
+
 
 def device_id(d: Any) -> int:
     """The id of a device: ``d`` itself for an ``int``, else ``d.id``.
@@ -446,7 +448,7 @@ def carry_shardings(tree: Any, mesh: Mesh) -> Any:
         where = jax.tree_util.keystr(path) or "<root>"
         s = leaf if isinstance(leaf, Sharding) else getattr(leaf, "sharding", None)
         if isinstance(s, NamedSharding):
-            for entry in s.spec:
+            for entry in _compat.spec_entries(s.spec):
                 for name in _entry_names(entry):
                     if name not in mesh.axis_names:
                         raise ValueError(

@@ -26,7 +26,7 @@ pinned-host arrays that JAX types as device memory (``_compat.may_donate``). Nor
 inputs that share buffers with a live array outside the call that this library made
 so (``_sharing``: the parts of a split without donation and the array they came from,
 say), whose buffers would be freed under it; inputs that share buffers with each
-other are copied, then consumed (see ``_consume``).
+other are copied, then consumed (see ``_prepare_consume``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _entry_axes(entry: Any) -> tuple[Any, ...]:
 
 def _sharded_dim(spec: PartitionSpec, mesh_axis: Any) -> int | None:
     """The array dimension whose spec entry names ``mesh_axis``; ``None`` if replicated."""
-    for dim, entry in enumerate(spec):
+    for dim, entry in enumerate(_compat.spec_entries(spec)):
         if mesh_axis in _entry_axes(entry):
             return dim
     return None
@@ -133,6 +133,21 @@ def _flatten_named(tree: Any, what: str) -> tuple[list[str], list[Leaf], Any]:
             )
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(f"{where} has been deleted (was it donated earlier?).")
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            if PartitionSpec.UNCONSTRAINED in _compat.spec_entries(leaf.sharding.spec):
+                # Whether that dimension is cut along the mesh axis is not known, so
+                # neither is a part's shape.
+                raise ValueError(
+                    f"{where} has spec {leaf.sharding.spec} with an UNCONSTRAINED entry; "
+                    "name mesh axes or None for every dimension."
+                )
+            # (An array's shape always fits its sharding; a struct's is not checked.)
+            try:
+                leaf.sharding.shard_shape(leaf.shape)
+            except Exception as e:
+                raise ValueError(
+                    f"{where}: shape {tuple(leaf.shape)} does not fit its sharding: {e}"
+                ) from None
         paths.append(where)
         leaves.append(leaf)
     return paths, leaves, treedef
@@ -174,21 +189,28 @@ def _axis_index(mesh: Mesh, mesh_axis: Any) -> int:
     return mesh.axis_names.index(mesh_axis)
 
 
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, bool | np.bool_) or getattr(x, "dtype", None) == np.bool_
+
+
 def _sections(sections: int | Sequence[int]) -> int | list[int]:
     """The part count, or the list of boundaries, after checking their form."""
-    if isinstance(sections, int | np.integer) and not isinstance(sections, bool):
-        return int(sections)
+    if not _is_bool(sections):
+        try:  # an int, or any integer scalar: numpy's, 0-d arrays, jax's
+            return operator.index(sections)  # type: ignore[arg-type]
+        except TypeError:
+            pass
     if isinstance(sections, str | bytes) or not isinstance(sections, Sequence | np.ndarray):
         raise ValueError(
             f"mesh_axis_indices_or_sections={sections!r} must be None, an int or a "
             "sequence of ints."
         )
     try:
+        if any(_is_bool(b) for b in sections):
+            raise TypeError
         return [operator.index(b) for b in sections]
     except TypeError:
-        raise ValueError(
-            f"mesh_axis_indices_or_sections={list(sections)!r} must hold ints."
-        ) from None
+        raise ValueError(f"mesh_axis_indices_or_sections={sections!r} must hold ints.") from None
 
 
 def _part_bounds(sections: int | Sequence[int] | None, size: int) -> list[tuple[int, int]]:
@@ -234,8 +256,11 @@ def _part_count_unsized(sections: int | Sequence[int]) -> int:
     return len(checked) + 1
 
 
-def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
-    """Donates ``arrays``: returns arrays on the same buffers; the inputs become deleted.
+def _prepare_consume(arrays: Sequence[jax.Array]) -> Callable[[], list[jax.Array]]:
+    """Prepares to donate ``arrays``; the returned call donates them and returns arrays
+    on the same buffers, the inputs then deleted. Preparing copies what must be copied
+    and compiles the donating program, and consumes nothing: a caller donating on
+    several device sets prepares them all first (see ``_build_then_consume``).
 
     All ``arrays`` must live on one device set (one jit call). An array listed twice is
     donated once. Where JAX declines a donation, for some buffers or all (a numpy view
@@ -272,15 +297,23 @@ def _consume(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     tied = [a for a in rest if is_tied[id(a)]]
     alone = [a for a in rest if not is_tied[id(a)]]
     copies = jax.device_put(tied, [a.sharding for a in tied], may_alias=False) if tied else []
-    fresh = _compat.donating_identity(alone) if alone else []
-    swap: dict[int, jax.Array] = {}
-    for a, b in zip([*tied, *alone], [*copies, *fresh], strict=True):
-        if not a.is_deleted():
-            # Copied; declined (some buffers copied); or nothing here to donate (no
-            # device of it on this process): deleted all the same, as on every process.
-            a.delete()
-        swap[id(a)] = b
-    return [swap.get(id(a), a) for a in arrays]
+    donate: Callable[[], list[jax.Array]] = (
+        _compat.prepare_donating_identity(alone) if alone else lambda: []
+    )
+
+    def commit() -> list[jax.Array]:
+        fresh = donate()
+        swap: dict[int, jax.Array] = {}
+        for a, b in zip([*tied, *alone], [*copies, *fresh], strict=True):
+            if not a.is_deleted():
+                # Copied; declined (some buffers copied); or nothing here to donate (no
+                # device of it on this process): deleted all the same, as on every
+                # process.
+                a.delete()
+            swap[id(a)] = b
+        return [swap.get(id(a), a) for a in arrays]
+
+    return commit
 
 
 def _build_then_consume(
@@ -292,7 +325,9 @@ def _build_then_consume(
 
     ``build`` must only regroup buffers. It runs once on the untouched inputs (so a
     failure loses nothing) and, when donating, once more on the donated replacements,
-    since the first result shares buffers the donation retires.
+    since the first result shares buffers the donation retires. Every group's copies
+    and donating program are made before any group is donated, so a failure to make
+    them leaves every input as it was.
 
     Args:
       groups: leaves, one list per device set (each list is donated in one call).
@@ -303,10 +338,11 @@ def _build_then_consume(
     if not donate or not any(isinstance(x, jax.Array) for g in groups for x in g):
         return result
     del result  # holds the buffers the donation is about to hand over
+    # Every group's copies and program first: a failure there consumes nothing.
+    commits = [_prepare_consume([x for x in g if isinstance(x, jax.Array)]) for g in groups]
     replaced = []
-    for group in groups:
-        arrays = [x for x in group if isinstance(x, jax.Array)]
-        fresh = iter(_consume(arrays))
+    for group, commit in zip(groups, commits, strict=True):
+        fresh = iter(commit())
         replaced.append([next(fresh) if isinstance(x, jax.Array) else x for x in group])
     return build(replaced)
 
@@ -462,6 +498,12 @@ def _check_meshes(meshes: Sequence[Mesh], axis_index: int, mesh_axis: Any) -> No
                 f"array_trees[0] on one with axes {first.axis_names}; all meshes need the "
                 "same axis names in the same order."
             )
+        if mesh.axis_types != first.axis_types:
+            raise ValueError(
+                f"array_trees[{k}] is on a mesh with axis types {mesh.axis_types}, but "
+                f"array_trees[0] on one with {first.axis_types}; all meshes need the same "
+                "axis types."
+            )
         others = [i for i in range(len(first.axis_names)) if i != axis_index]
         if any(mesh.devices.shape[i] != first.devices.shape[i] for i in others):
             raise ValueError(
@@ -509,7 +551,7 @@ def _joined_shape(
             # Every device must hold a shard of one extent, or the result is not a
             # valid NamedSharding layout.
             extents = [
-                leaf.shape[d] // shard_count(mesh, spec[d])
+                leaf.shape[d] // shard_count(mesh, _compat.spec_entries(spec)[d])
                 for leaf, mesh in zip(group, meshes, strict=True)
             ]
             if len(set(extents)) != 1:
@@ -536,7 +578,9 @@ def concatenate_by_mesh_axis(array_trees: Iterable[Any], mesh_axis: str) -> Any:
     The inverse of :func:`split_by_mesh_axis`: the meshes (same axis names, same sizes
     on every axis but ``mesh_axis``) are concatenated along ``mesh_axis`` in the order
     given; an array sharded along ``mesh_axis`` has its parts concatenated along the
-    dimension that names the axis; an array replicated along it keeps its shape (its
+    dimension that names the axis (where that dimension is sharded over several axes
+    with ``mesh_axis`` not the first, the parts' blocks interleave instead, as the
+    joined layout orders them: still the exact inverse of the split); an array replicated along it keeps its shape (its
     parts are assumed equal, as a replicated array's are; nothing is compared). No data
     crosses devices and nothing is copied (but inputs that share buffers with another
     input of the call: copied, then consumed). The inputs are donated: they are marked
