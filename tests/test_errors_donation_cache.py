@@ -592,6 +592,15 @@ def test_leaves_moved_by_device_put_neither_land_on_nor_read_avoided_devices():
     assert out[1].sharding.device_set == elsewhere.device_set
 
 
+def test_a_struct_source_with_an_unconstrained_entry_is_refused():
+    # Where its data lives is left to a compiler; it used to plan as if replicated.
+    mesh = Mesh(np.array(DEVS[:4]), ("a",))
+    loose = NamedSharding(mesh, P(None, P.UNCONSTRAINED))
+    s = jax.ShapeDtypeStruct((4, 8), np.float32, sharding=loose)
+    with pytest.raises(ValueError, match=r"leaf \['w'\]: source spec .* UNCONSTRAINED"):
+        reshard.plan({"w": s}, sharding([4, 5, 6, 7]))
+
+
 def test_a_device_stands_for_its_single_device_sharding(tree):
     out = reshard.reshard(tree, {"w": DEVS[6], "b": sharding([4, 5])})
     assert out["w"].sharding == SingleDeviceSharding(DEVS[6])

@@ -940,26 +940,31 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     }
 
 
-def _run_scenarios(pack_on_host: bool, only: Sequence[str] | None = None) -> dict[str, str]:
-    """Runs every scenario (or those named in ``only``) in this process; returns name ->
-    "ok" or the traceback."""
+def _run_scenarios(
+    packs: Sequence[str], only: Sequence[str] | None = None
+) -> dict[str, dict[str, str]]:
+    """Runs every scenario (or those named in ``only``) in this process, once per
+    packing in ``packs`` ("host", "device"), one after the other in one launch (a
+    launch costs seconds); returns packing -> name -> "ok" or the traceback."""
     import jax
 
     from reshard import _collective_executor
 
-    _collective_executor.PACK_ON_HOST = pack_on_host
     assert jax.process_count() > 1
-    report = {}
-    for name, fn in _scenarios().items():
-        if only is not None and name not in only:
-            continue
-        MISMATCHES.clear()
-        try:
-            fn()
-            report[name] = "\n".join(MISMATCHES) or "ok"
-        except Exception:
-            report[name] = traceback.format_exc()
-    return report
+    reports: dict[str, dict[str, str]] = {}
+    for pack in packs:
+        _collective_executor.PACK_ON_HOST = pack == "host"
+        report = reports[pack] = {}
+        for name, fn in _scenarios().items():
+            if only is not None and name not in only:
+                continue
+            MISMATCHES.clear()
+            try:
+                fn()
+                report[name] = "\n".join(MISMATCHES) or "ok"
+            except Exception:
+                report[name] = traceback.format_exc()
+    return reports
 
 
 def _across_halves(seed: int) -> tuple[Any, Any, Any]:
@@ -1171,34 +1176,35 @@ DEVICE_SCENARIOS = [
 ]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("pack", ["host", "device"])
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("procs,devices", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
-def test_every_scenario_on_every_process(procs: int, devices: int, pack: str) -> None:
+def test_every_scenario_on_every_process(procs: int, devices: int) -> None:
+    # Both packings in one launch: host-packed first, then device-packed.
     results = launch_local(
         f"{HERE}:_run_scenarios",
         num_processes=procs,
         devices_per_process=devices,
-        args=[pack == "host"],
-        timeout_s=120,
+        args=[["host", "device"]],
+        timeout_s=200,
     )
     assert len(results) == procs
     failures = []
     for r in results:
-        want = SCENARIOS + (HOST_SCENARIOS if pack == "host" else DEVICE_SCENARIOS)
-        assert sorted(r.value) == sorted(want), r.value.keys()
-        failures += [
-            f"process {r.process_id}, {name}:\n{tb}" for name, tb in r.value.items() if tb != "ok"
-        ]
+        assert sorted(r.value) == ["device", "host"]
+        for pack, report in r.value.items():
+            want = SCENARIOS + (HOST_SCENARIOS if pack == "host" else DEVICE_SCENARIOS)
+            assert sorted(report) == sorted(want), (pack, report.keys())
+            failures += [
+                f"process {r.process_id}, {pack}-packed, {name}:\n{tb}"
+                for name, tb in report.items()
+                if tb != "ok"
+            ]
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("pack", ["host", "device"])
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("procs,devices", [(3, 2), (2, 3)], ids=["3x2", "2x3"])
-def test_random_cases_with_odd_counts_of_processes_and_devices(
-    procs: int, devices: int, pack: str
-) -> None:
+def test_random_cases_with_odd_counts_of_processes_and_devices(procs: int, devices: int) -> None:
     # The named scenarios cut arrays in halves of 8 devices; the random cases draw
     # meshes over whatever devices there are: 3 processes (a status summed over an odd
     # count, sources preferred in a process of three), or 3 devices per process.
@@ -1206,12 +1212,13 @@ def test_random_cases_with_odd_counts_of_processes_and_devices(
         f"{HERE}:_run_scenarios",
         num_processes=procs,
         devices_per_process=devices,
-        args=[pack == "host", ["random_cases"]],
-        timeout_s=90,
+        args=[["host", "device"], ["random_cases"]],
+        timeout_s=120,
     )
     assert len(results) == procs
     for r in results:
-        assert r.value == {"random_cases": "ok"}, f"process {r.process_id}: {r.value}"
+        want = {"random_cases": "ok"}
+        assert r.value == {"host": want, "device": want}, f"process {r.process_id}: {r.value}"
 
 
 # --- in this process: the schedule, and the executor with one controller ----------

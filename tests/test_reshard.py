@@ -585,7 +585,15 @@ def test_reduced_specs_move_as_replicas_and_unreduced_ones_are_refused(executor)
     u = jax.device_put(value, unreduced)
     for args, side in [((u, plain), "source"), ((x, unreduced), "destination")]:
         with pytest.raises(ValueError, match=rf"the {side} spec .* is unreduced over \['b'\]"):
-            reshard.reshard(*args)
+            reshard.reshard(*args, donate=True)
     assert not x.is_deleted() and not u.is_deleted()
+    # JAX holds no key array on a reduced spec (it cannot read its sharding back):
+    # refused before anything moves, so a donated input stays.
+    keys = place(jax.random.split(jax.random.key(0), 32).reshape(8, 4), plain)
+    with pytest.raises(ValueError, match=r"a key array cannot take the destination spec"):
+        reshard.plan(keys, NamedSharding(mesh, P("a", None, reduced={"b"})), executor=executor)
+    with pytest.raises(ValueError, match=r"a key array cannot take the destination spec"):
+        reshard.reshard(keys, NamedSharding(mesh, P("a", None, reduced={"b"})), donate=True)
+    assert not keys.is_deleted()
     carried = reshard.carry_shardings({"x": reduced}, mesh)["x"]
     assert carried == reduced

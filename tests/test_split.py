@@ -416,6 +416,9 @@ def test_error_bad_boundaries(mesh24, sections):
     "sections", [np.array(2), np.int8(2), jax.numpy.int32(2)], ids=["0-d", "np", "jax"]
 )
 def test_any_integer_scalar_is_a_count(mesh24, sections):
+    # (and boundaries in a jax array are read as numpy's are)
+    y = put(np.arange(8, dtype=np.float32), mesh24, P("fsdp"))
+    assert [p.shape for p in split_by_mesh_axis(y, "fsdp", jax.numpy.array([1]))] == [(2,), (6,)]
     value = np.arange(8, dtype=np.float32)
     x = put(value, mesh24, P("fsdp"))
     parts = split_by_mesh_axis(x, "fsdp", sections)

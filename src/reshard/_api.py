@@ -387,6 +387,14 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
         shape, dtype, src = tuple(v.shape), v.dtype, v.sharding
         if isinstance(src, Sharding):
             _check_concrete(where, "source", src)
+        if isinstance(src, NamedSharding) and (
+            PartitionSpec.UNCONSTRAINED in _compat.spec_entries(src.spec)
+        ):
+            # Where such a struct's data lives is left to a compiler; a plan needs it.
+            raise ValueError(
+                f"leaf {where}: source spec {src.spec} leaves a dimension UNCONSTRAINED; "
+                "a plan needs the concrete layout the data has"
+            )
     else:
         try:
             jax.typeof(v)  # what jax.device_put will refuse, refused before any move
@@ -401,6 +409,14 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
     if not isinstance(src, Sharding):
         raise ValueError(f"leaf {where} has no jax.sharding.Sharding (got {src!r})")
     if _is_key(dtype):
+        dst_spec = dst.spec if isinstance(dst, NamedSharding) else None
+        if getattr(dst_spec, "reduced", None):
+            # jax 0.10 cannot read such a key array's sharding (nor put one there).
+            raise ValueError(
+                f"leaf {where}: a key array cannot take the destination spec {dst_spec}: "
+                "JAX holds no key arrays on a spec with reduced axes (jax.device_put "
+                "refuses it too); give a spec without them"
+            )
         data_shape = key_data_shape(shape, dtype)
         extra = len(data_shape) - len(shape)
         ds, dd = _key_data_sharding(src, extra), _key_data_sharding(dst, extra)
@@ -475,12 +491,18 @@ def _check_concrete(where: str, what: str, s: Sharding) -> None:
     if not s.device_set:
         raise ValueError(f"leaf {where}: the {what} sharding {s} has no devices")
     if axes := _compat.unreduced_axes(s):
+        spec = getattr(s, "spec", s)
+        if what == "source":
+            raise ValueError(
+                f"leaf {where}: the source spec {spec} is unreduced over {sorted(axes)}: "
+                "devices along those axes hold addends of a sum, not copies of one "
+                "value, and moving bytes cannot add them up (nor can jax.device_put). "
+                "Reduce the array first, inside your jitted step."
+            )
         raise ValueError(
-            f"leaf {where}: the {what} spec {getattr(s, 'spec', s)} is unreduced over "
-            f"{sorted(axes)}: "
-            "devices along those axes hold addends of a sum, not copies of one value, "
-            "and moving bytes cannot add them up (nor can jax.device_put). Reduce the "
-            "array first, inside your jitted step."
+            f"leaf {where}: the destination spec {spec} is unreduced over {sorted(axes)}: "
+            "its devices would hold addends of a sum, while a reshard moves copies of "
+            "values; give a spec without unreduced axes."
         )
 
 
@@ -594,9 +616,10 @@ def _check_host_leaf_avoids(leaf: LeafInfo, avoid: frozenset[int]) -> None:
     if src_avoided:
         raise ValueError(
             f"leaf {where}: its source uses avoided devices {src_avoided}, and this leaf "
-            f"(a {leaf.dtype} array on a {type(src).__name__}) moves through "
-            "jax.device_put, which may read any of its devices; put it on a NamedSharding "
-            "before the devices are lost"
+            f"(a {leaf.dtype} array from a {type(src).__name__} to a "
+            f"{type(leaf.dst_sharding).__name__}) moves through jax.device_put, which "
+            "cannot be told which devices to read, even where replicas survive; give "
+            "it NamedShardings on both sides"
         )
 
 

@@ -200,6 +200,8 @@ def _sections(sections: int | Sequence[int]) -> int | list[int]:
             return operator.index(sections)  # type: ignore[arg-type]
         except TypeError:
             pass
+    if isinstance(sections, jax.Array):
+        sections = np.asarray(sections)  # (boundaries in a jax array, as in numpy's)
     if isinstance(sections, str | bytes) or not isinstance(sections, Sequence | np.ndarray):
         raise ValueError(
             f"mesh_axis_indices_or_sections={sections!r} must be None, an int or a "
