@@ -399,8 +399,9 @@ def split_by_mesh_axis(
     along ``mesh_axis``) with the same axis names, spec and memory kind. An array
     sharded along ``mesh_axis`` keeps only the shards on the part's devices, so the
     dimension that names the axis shrinks to ``size * (hi - lo) / n``; an array
-    replicated along it keeps its shape. No data crosses devices and nothing is
-    copied: the parts' shards are the input's buffers.
+    replicated along it keeps its shape (one ``unreduced`` along it too, each part
+    then holding the addends of its own devices). No data crosses devices and
+    nothing is copied: the parts' shards are the input's buffers.
 
     Args:
       arrays: a pytree of ``jax.Array``s (or ``jax.ShapeDtypeStruct``s), all with a
