@@ -205,7 +205,8 @@ def test_demo_device_counts_that_inflate_the_tree_are_named(
     monkeypatch.setattr(_cli_demo, "memory_mib", lambda: 4096.0)
     assert _cli.main(["demo", "--devices", "94", "--size-mb", "1"]) == 2
     err = capsys.readouterr().err
-    assert "multiple of 6674" in err and "9,516 MiB, more than this machine's memory" in err
+    assert "multiple of 6674" in err and "smallest tree 9,516 MiB and the demo's peak" in err
+    assert "about 104,929 MiB, more than this machine's memory" in err  # ~11x, + JAX
     # Where the size asked for, not the device count, is too large, the message says so.
     with pytest.raises(
         _cli.UsageError, match=r"--size-mb 4300 the tree is 4,984 MiB.*smaller --size-mb"
@@ -214,15 +215,15 @@ def test_demo_device_counts_that_inflate_the_tree_are_named(
     _cli_demo._check_args(argparse.Namespace(devices=30, processes=1, size_mb=1.0))
     assert "the tree is 101.8 MiB, not ~1 MiB" in capsys.readouterr().err
     # Every process builds the whole tree: a size that one process fits, four do not.
-    _cli_demo._check_args(argparse.Namespace(devices=8, processes=1, size_mb=2000.0))
+    _cli_demo._check_args(argparse.Namespace(devices=8, processes=1, size_mb=200.0))
     with pytest.raises(
         _cli.UsageError,
-        match=r"the tree is 1,985 MiB .* in each of the 4 processes \(7,939 MiB in all\), "
-        r"more than this machine's memory \(4,096 MiB\); ask for a smaller --size-mb or "
-        r"fewer --processes",
+        match=r"the tree is 197 MiB .* peak about 2,422 MiB in each of the 4 processes "
+        r"\(9,689 MiB in all\), more than this machine's memory \(4,096 MiB\); ask for a "
+        r"smaller --size-mb or fewer --processes",
     ):
-        _cli_demo._check_args(argparse.Namespace(devices=8, processes=4, size_mb=2000.0))
-    with pytest.raises(_cli.UsageError, match=r"smallest tree 9,516 MiB in each of the 2 "):
+        _cli_demo._check_args(argparse.Namespace(devices=8, processes=4, size_mb=200.0))
+    with pytest.raises(_cli.UsageError, match=r"peak about 104,929 MiB in each of the 2 "):
         _cli_demo._check_args(argparse.Namespace(devices=94, processes=2, size_mb=1.0))
     _cli_demo._check_args(argparse.Namespace(devices=8, processes=1, size_mb=16.0))
     assert capsys.readouterr().err == ""
@@ -279,16 +280,18 @@ def test_device_ranges_keep_the_order_and_read_back(ids: list[int]) -> None:
 
 def test_plan_prints_devices_in_mesh_order() -> None:
     """A reversed destination is not the source: the printed lists say so, and the
-    JSON's lists give the same plan when passed back."""
-    args = ("plan", "--shape", "64", "--src-mesh", "8", "--dst-mesh", "8")
-    reverse = ("--dst-devices", "7,6,5,4,3,2,1,0")
+    JSON's lists give the same plan when passed back. Piped (80 columns), a long list
+    stays on its line, as it can only be passed back whole."""
+    args = ("plan", "--shape", "64", "--src-mesh", "64", "--dst-mesh", "64")
+    backwards = ",".join(str(i) for i in range(63, -1, -1))
+    reverse = ("--dst-devices", backwards)
     res = run_cli(*args, *reverse)
     assert res.returncode == 0, res.stderr
-    assert "source:      mesh 8 (a0), spec (a0), devices 0-7\n" in res.stdout
-    assert "destination: mesh 8 (a0), spec (a0), devices 7,6,5,4,3,2,1,0\n" in res.stdout
+    assert "source:      mesh 64 (a0), spec (a0), devices 0-63\n" in res.stdout
+    assert f"destination: mesh 64 (a0), spec (a0), devices {backwards}\n" in res.stdout
     out = run_json(*args, *reverse)
-    assert out["source"]["devices"] == "0-7"
-    assert out["destination"]["devices"] == "7,6,5,4,3,2,1,0"
+    assert out["source"]["devices"] == "0-63"
+    assert out["destination"]["devices"] == backwards
     again = run_json(
         *args,
         "--src-devices", out["source"]["devices"],
@@ -475,6 +478,17 @@ def test_plan_dtype_refuses_ml_dtypes_names_jax_has_no_arrays_of(name: str) -> N
          ["one name per mesh dimension"]),
         (["plan", "--shape", "16", "--src-mesh", "2", "--dst-mesh", "2", "--pieces"], ["--json"]),
         (["demo", "--devices", "7"], ["even number"]),
+        # Sizes past any float: one line, not an OverflowError.
+        (["demo", "--devices", "1" + "0" * 200], ["at most 65536 simulated devices"]),
+        (["plan", "--shape", ",".join(["1" + "0" * 160] * 2), "--src-mesh", "2", "--dst-mesh",
+          "2"], ["an array of more than 2**100 elements", "(323 characters)"]),
+        (["plan", "--shape", "9" * 5000, "--src-mesh", "2", "--dst-mesh", "2"],
+         ["is not a shape", "(5,000 characters)"]),
+        # Pieces, not shards, bound planning's time and memory: 16,384 sources to as
+        # many replicas of the whole array would need ~130 GB.
+        (["plan", "--shape", "16384", "--src-mesh", "16384", "--dst-mesh", "16384",
+          "--dst-devices", "16384-32767", "--dst-spec", "None"],
+         ["up to 268,435,456 pieces", "at most 4,194,304"]),
         (["demo", "--size-mb", "-1"], ["--size-mb", "> 0"]),
         (["demo", "--devices", "6", "--processes", "4"], ["evenly"]),
         (["bench", "--cases", "nope"], ["unknown case", "disjoint"]),
@@ -684,6 +698,19 @@ def test_bench_without_a_suite_exits_2(module: str) -> None:
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert module in res.stderr and "no such module" in res.stderr
     assert "reshard bench: error:" in res.stderr  # as every other usage error says
+
+
+@pytest.mark.parametrize(
+    "body,why",
+    [("def run(:\n", "SyntaxError at"), ("import no_such_package_xyz\n", "ModuleNotFoundError")],
+)
+def test_bench_suite_that_fails_to_import_exits_2(tmp_path: Path, body: str, why: str) -> None:
+    suite = tmp_path / "broken_suite.py"
+    suite.write_text(body)
+    res = run_cli("bench", RESHARD_BENCH_MODULE=str(suite))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "reshard bench: error:" in res.stderr and "cannot import it" in res.stderr
+    assert why in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 def test_bench_suite_without_rows_says_so(tmp_path: Path) -> None:

@@ -51,6 +51,21 @@ def _load_path(path: Path) -> Any:
     return module
 
 
+def _import_suite(custom: str, load: Callable[[], Any]) -> Any:
+    """Imports the user's suite; one that fails to import is named in one line."""
+    try:
+        return load()
+    except SyntaxError as e:
+        raise SuiteNotAvailable(
+            f"{ENV_MODULE}={custom}: cannot import it: SyntaxError at {e.filename}, "
+            f"line {e.lineno}: {e.msg}"
+        ) from None
+    except Exception as e:
+        raise SuiteNotAvailable(
+            f"{ENV_MODULE}={custom}: cannot import it: {type(e).__name__}: {e}"
+        ) from None
+
+
 def find_suite() -> tuple[Callable[..., Iterable[Any]], str, Any]:
     """The suite's row function, where it came from, and its module.
 
@@ -65,7 +80,7 @@ def find_suite() -> tuple[Callable[..., Iterable[Any]], str, Any]:
         if custom.endswith(".py"):
             if not Path(custom).is_file():
                 raise SuiteNotAvailable(f"{ENV_MODULE}={custom}: no such file")
-            module = _load_path(Path(custom))
+            module = _import_suite(custom, lambda: _load_path(Path(custom)))
         else:
             try:
                 # Raises, rather than returns None, when a parent package is missing.
@@ -74,7 +89,7 @@ def find_suite() -> tuple[Callable[..., Iterable[Any]], str, Any]:
                 found = None
             if found is None:
                 raise SuiteNotAvailable(f"{ENV_MODULE}={custom}: no such module")
-            module = importlib.import_module(custom)
+            module = _import_suite(custom, lambda: importlib.import_module(custom))
     elif importlib.util.find_spec("reshard._bench") is not None:
         where = "reshard._bench"
         module = importlib.import_module("reshard._bench")

@@ -116,6 +116,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_arguments(p)
 
 
+# The most simulated devices the demo takes (far more than it could run).
+MAX_DEVICES = 1 << 16
+
+
+# What a demo process holds at its peak, in MiB, for a tree of ``mib``: JAX itself,
+# and ~11 copies of the tree (sources, results, and the baselines' copies and host
+# gathers): 191 MB for a 1 MiB tree, 1.27 GB for 100 MiB, 2.26 GB for 197 MiB here.
+def needed_mib(mib: float) -> float:
+    return 256 + 11 * mib
+
+
 def _check_args(args: argparse.Namespace) -> None:
     n, procs = args.devices, args.processes
     if n < 2 or n % 2:
@@ -130,11 +141,15 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if procs > 1:
         timeout_s()  # a bad value is a usage error before anything starts
+    if n > MAX_DEVICES:
+        raise UsageError(
+            f"--devices {n}: at most {MAX_DEVICES} simulated devices, e.g. --devices 8"
+        )
     # The model's width is rounded up to a multiple of what every scenario's shard
     # counts divide, which for some device counts is far beyond --size-mb.
     unit = shard_unit(n)
     tree_mib, limit = tree_bytes(model_width(args.size_mb, n)) / 2**20, memory_mib()
-    if tree_mib * procs > limit:  # every process builds the whole tree in host memory
+    if needed_mib(tree_mib) * procs > limit:  # every process builds the whole tree
 
         def each(mib: float) -> str:
             if procs == 1:
@@ -142,18 +157,20 @@ def _check_args(args: argparse.Namespace) -> None:
             return f" in each of the {procs} processes ({mib * procs:,.0f} MiB in all)"
 
         smallest = tree_bytes(unit) / 2**20
-        if smallest * procs > limit:
+        if needed_mib(smallest) * procs > limit:
             why = (
                 f"with --devices {n} the model's width must be a multiple of {unit} (so "
                 f"that every scenario splits it evenly), which makes the smallest tree "
-                f"{smallest:,.0f} MiB{each(smallest)}"
+                f"{smallest:,.0f} MiB and the demo's peak about "
+                f"{needed_mib(smallest):,.0f} MiB{each(needed_mib(smallest))}"
             )
             hint = "use a device count with smaller factors, e.g. --devices 8 or 16"
         else:
             why = (
                 f"with --devices {n} and --size-mb {args.size_mb:g} the tree is "
-                f"{tree_mib:,.0f} MiB (its width rounded up to a multiple of {unit})"
-                f"{each(tree_mib)}"
+                f"{tree_mib:,.0f} MiB (its width rounded up to a multiple of {unit}) and "
+                f"the demo's peak about {needed_mib(tree_mib):,.0f} MiB"
+                f"{each(needed_mib(tree_mib))}"
             )
             hint = "ask for a smaller --size-mb" + (" or fewer --processes" * (procs > 1))
         raise UsageError(f"{why}, more than this machine's memory ({limit:,.0f} MiB); {hint}")

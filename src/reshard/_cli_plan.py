@@ -13,11 +13,14 @@ contact with the vocabulary (mesh, axes, spec, devices).
 from __future__ import annotations
 
 import argparse
+import bisect
+import functools
 import json
 import math
 import re
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -38,6 +41,17 @@ from ._planner import LeafSpec, ShardSpec, plan_leaves
 # The most devices a side may have: plans of 16,384 take about a second; far more
 # would only exhaust memory building the id lists.
 MAX_DEVICES = 1 << 20
+# The most elements an array may have: exabytes are fine, but sizes beyond any float
+# (a 160-digit shape, say) would break the statistics' means and ratios.
+MAX_ELEMENTS = 1 << 100
+# The most pieces a plan may cut: 1024 sources to 1024 replicas of the whole array
+# (~1M pieces) plan in ~10 s and ~0.6 GB here; 4M take ~40 s and ~2 GB.
+MAX_PIECES = 1 << 22
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for a message, cut short when long (a 5,000-digit size, say)."""
+    return repr(text) if len(text) <= 60 else f"{text[:40]!r}... ({len(text):,} characters)"
 
 
 def _int_list(text: str, what: str, example: str, *, minimum: int) -> tuple[int, ...]:
@@ -46,11 +60,11 @@ def _int_list(text: str, what: str, example: str, *, minimum: int) -> tuple[int,
         values = tuple(int(p) for p in parts)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a {what}; write sizes separated by ',' or 'x', e.g. {example}"
+            f"{_shown(text)} is not a {what}; write sizes separated by ',' or 'x', e.g. {example}"
         ) from None
     if any(v < minimum for v in values):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: every size of a {what} must be >= {minimum}, e.g. {example}"
+            f"{_shown(text)}: every size of a {what} must be >= {minimum}, e.g. {example}"
         )
     return values
 
@@ -59,7 +73,12 @@ def shape_arg(text: str) -> tuple[int, ...]:
     """``'8192,8192'`` or ``'8192x8192'`` -> ``(8192, 8192)``; ``''`` is a scalar."""
     if not text.strip():
         return ()
-    return _int_list(text, "shape", "--shape 8192,8192", minimum=0)
+    shape = _int_list(text, "shape", "--shape 8192,8192", minimum=0)
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise argparse.ArgumentTypeError(
+            f"{_shown(text)}: an array of more than 2**100 elements; at most that many are planned"
+        )
+    return shape
 
 
 def mesh_arg(text: str) -> tuple[int, ...]:
@@ -289,6 +308,28 @@ def shard_specs(
     )
 
 
+def piece_bound(src: Sequence[ShardSpec], dst: Sequence[ShardSpec]) -> int:
+    """How many pieces a plan of one array may cut, at most: for every destination
+    shard, the distinct source boxes it overlaps (before the planner drops what stays
+    in place). Planning time and memory grow with it."""
+    if not dst:
+        return 0
+    ndim = len(dst[0].box)
+    # A synthetic side's boxes tile each dimension into sorted, disjoint intervals.
+    cuts = [sorted({s.box[d] for s in src}) for d in range(ndim)]
+    starts = [[lo for lo, _ in c] for c in cuts]
+    stops = [[hi for _, hi in c] for c in cuts]
+
+    @functools.cache
+    def overlaps(d: int, lo: int, hi: int) -> int:
+        return max(0, bisect.bisect_left(starts[d], hi) - bisect.bisect_right(stops[d], lo))
+
+    return sum(
+        n * math.prod(overlaps(d, lo, hi) for d, (lo, hi) in enumerate(box))
+        for box, n in Counter(s.box for s in dst).items()
+    )
+
+
 def synthetic_plan(
     shape: tuple[int, ...],
     dtype: np.dtype[Any],
@@ -321,6 +362,14 @@ def synthetic_plan(
         )
     src_specs = shard_specs(src, shape, devices_per_process)
     dst_specs = shard_specs(dst, shape, devices_per_process)
+    pieces = count * piece_bound(src_specs, dst_specs)
+    if pieces > MAX_PIECES:
+        raise UsageError(
+            f"this plan would cut up to {pieces:,} pieces (each destination shard from "
+            f"every source shard it overlaps); at most {MAX_PIECES:,} are planned (about "
+            "2 GB of memory and a minute): use fewer devices or --count, or a destination "
+            "cut more like the source"
+        )
     names = ["array"] if count == 1 else [f"array[{i}]" for i in range(count)]
     itemsize = dtype.itemsize
     leaves = [LeafSpec(n, shape, itemsize, src_specs, dst_specs) for n in names]
@@ -461,10 +510,13 @@ def run(args: argparse.Namespace, console: Any) -> int:
     console.print(
         f"[bold]reshard plan[/bold]: {many}{args.dtype}{list(shape)} ({human_bytes(nbytes)} each)"
     )
-    console.print(f"  source:      {src.describe()}", highlight=False)
-    console.print(f"  destination: {dst.describe()}", highlight=False)
+    # Never wrapped (a terminal wraps them on screen only): the device lists in them
+    # are passed back to --src-devices/--dst-devices as they are.
+    console.print(f"  source:      {src.describe()}", highlight=False, soft_wrap=True)
+    console.print(f"  destination: {dst.describe()}", highlight=False, soft_wrap=True)
     if args.avoid:
-        console.print(f"  avoiding:    devices {device_ranges(args.avoid)} (lost)", highlight=False)
+        avoiding = f"  avoiding:    devices {device_ranges(args.avoid)} (lost)"
+        console.print(avoiding, highlight=False, soft_wrap=True)
     render_report(console, report)
     return 0
 
