@@ -251,8 +251,13 @@ def plan_leaves(
       ValueError: a sharding's shards do not tile its array.
     """
     avoid = frozenset(avoid_devices)
-    # Requests: (-bytes, leaf index, dst shard index, region box, candidate src shards).
-    requests: list[tuple[int, int, int, Box, tuple[int, ...]]] = []
+    # Requests: (-bytes, leaf index, dst shard index, region box, candidates' id), the
+    # candidates (the src shards holding the region) being ``candidates[id]``: one id
+    # per source box of a representative, so that a box with many replicas costs its
+    # replicas once, not once per request (1M requests over 1,024 replicas each once
+    # took 8 GB and minutes of tuple hashing).
+    requests: list[tuple[int, int, int, Box, int]] = []
+    candidates: list[tuple[int, ...]] = []
     kept: list[list[Piece]] = [[] for _ in leaves]
     reused: list[list[tuple[int, int]]] = [[] for _ in leaves]
     missing: list[tuple[str, Box]] = []
@@ -293,8 +298,12 @@ def plan_leaves(
             missing.extend((spec.name, b) for b in lost_of[li])
             continue
         index = _BoxIndex(distinct)
+        cid_of: dict[Box, int] = {}
+        for b, holding in holders.items():
+            cid_of[b] = len(candidates)
+            candidates.append(tuple(holding))
         at = {s.location: si for si, s in enumerate(spec.src) if s.device not in avoid}
-        region_cache: dict[Box, list[tuple[Box, tuple[int, ...]]]] = {}
+        region_cache: dict[Box, list[tuple[Box, int]]] = {}
         for di, d in enumerate(spec.dst):
             local = at.get(d.location)
             regions = [d.box]
@@ -315,16 +324,17 @@ def plan_leaves(
                         b = index.boxes[bi]
                         ov = intersect(region, b)
                         if ov is not None:
-                            parts.append((ov, tuple(holders[b])))
+                            parts.append((ov, cid_of[b]))
                     region_cache[region] = parts
-                for ov, cands in parts:
-                    requests.append((-volume(ov) * spec.itemsize, li, di, ov, cands))
+                for ov, cid in parts:
+                    requests.append((-volume(ov) * spec.itemsize, li, di, ov, cid))
         # Copies balance on their own only where the representative has fewer requests
         # with a choice than replicas to choose from, so that sharing its choice would
         # leave replicas idle: balancing every copy costs a greedy step per request
         # (100 replicated leaves on 4096 -> 3072 devices: 89 s to plan instead of 4).
-        with_choice = [r[4] for r in requests[first_request:] if len(r[4]) > 1]
-        if with_choice and len(with_choice) < len({c for cands in with_choice for c in cands}):
+        with_choice = [r[4] for r in requests[first_request:] if len(candidates[r[4]]) > 1]
+        replicas = {c for cid in set(with_choice) for c in candidates[cid]}
+        if with_choice and len(with_choice) < len(replicas):
             choices[li] = (first_request, len(requests))
 
     if missing:
@@ -335,19 +345,20 @@ def plan_leaves(
     # Requests are generated in a deterministic order and the sort is stable.
     requests.sort(key=_neg_bytes)
     load: dict[int, int] = defaultdict(int)
-    pools: dict[tuple[int, tuple[int, ...], int], list[tuple[int, int, int]]] = {}
-    procs: dict[tuple[int, tuple[int, ...]], dict[int, list[int]]] = {}
+    pools: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
+    procs: dict[tuple[int, int], dict[int, list[int]]] = {}
     chosen: dict[tuple[int, int, int], list[Box]] = defaultdict(list)
-    for neg, li, di, box, cands in requests:
+    for neg, li, di, box, cid in requests:
         spec = leaves[li]
         rep = rep_of[li]  # copies share candidate pools: same shards, same order
         dproc = spec.dst[di].process
-        by_proc = procs.get((rep, cands))
+        cands = candidates[cid]
+        by_proc = procs.get((rep, cid))
         if by_proc is None:
-            by_proc = procs[(rep, cands)] = defaultdict(list)
+            by_proc = procs[(rep, cid)] = defaultdict(list)
             for c in cands:
                 by_proc[spec.src[c].process].append(c)
-        pkey = (rep, cands, dproc if dproc in by_proc else -1)
+        pkey = (rep, cid, dproc if dproc in by_proc else -1)
         heap = pools.get(pkey)
         if heap is None:
             pool = by_proc.get(dproc, cands)
@@ -393,7 +404,7 @@ def plan_leaves(
     return plans, _stats(plans, [li if own[li] else r for li, r in enumerate(rep_of)])
 
 
-def _neg_bytes(request: tuple[int, int, int, Box, tuple[int, ...]]) -> int:
+def _neg_bytes(request: tuple[int, int, int, Box, int]) -> int:
     return request[0]
 
 
