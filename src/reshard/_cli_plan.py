@@ -45,7 +45,7 @@ MAX_DEVICES = 1 << 20
 # (a 160-digit shape, say) would break the statistics' means and ratios.
 MAX_ELEMENTS = 1 << 100
 # The most pieces a plan may cut: 1024 sources to 1024 replicas of the whole array
-# (~1M pieces) plan in ~10 s and ~0.6 GB here; 4M take ~40 s and ~2 GB.
+# (~1M pieces) plan in ~10 s and ~0.6 GB here; 4M take ~45 s and ~2 GB.
 MAX_PIECES = 1 << 22
 
 
