@@ -128,7 +128,7 @@ def _addressable_devices(sharding: Sharding, use_private: bool) -> tuple[Any, ..
 
 
 def spec_entries(spec: PartitionSpec) -> tuple[Any, ...]:
-    """A ``PartitionSpec``'s per-dimension entries. Since jax 0.7 a spec may also carry
+    """A ``PartitionSpec``'s per-dimension entries. In jax 0.10 a spec may also carry
     ``reduced``/``unreduced`` axes, and then refuses to be iterated or indexed
     ("Using *pspec is dangerous"); its ``partitions`` are the entries."""
     partitions = getattr(spec, "partitions", None)
@@ -359,7 +359,7 @@ def prepare_donating_identity(arrays: list[jax.Array]) -> Callable[[], list[jax.
     comes before any input is consumed; what can still fail after the first donation
     is running an identity, which allocates nothing where XLA takes the donation.
 
-    One compiled program per signature (avals and shardings), in the bounded cache of
+    One jitted function per signature (avals and shardings), in the bounded cache of
     compiled programs (``_programs``): one jitted function for everything would keep
     an executable for every signature it ever saw."""
     key = ("donating_identity", tuple((jax.typeof(a), a.sharding) for a in arrays))
