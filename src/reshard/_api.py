@@ -599,17 +599,21 @@ def _shard_specs(
     )
 
 
+def _check_destination_avoids(where: str, dst: Sharding, avoid: frozenset[int]) -> None:
+    avoided = sorted(i for d in dst.device_set if (i := device_id(d)) in avoid)
+    if avoided:
+        raise ValueError(
+            f"leaf {where}: the destination sharding uses avoided devices {avoided}; "
+            "build the destination on surviving devices only"
+        )
+
+
 def _check_host_leaf_avoids(leaf: LeafInfo, avoid: frozenset[int]) -> None:
     """A leaf that ``jax.device_put`` moves (a host value; a key array on a sharding
     other than a NamedSharding) can be steered away from no device: it may neither
     land on nor be read from an avoided one."""
     where = leaf.path or "<root>"
-    dst_avoided = sorted(i for d in leaf.dst_sharding.device_set if (i := device_id(d)) in avoid)
-    if dst_avoided:
-        raise ValueError(
-            f"leaf {where}: the destination sharding uses avoided devices {dst_avoided}; "
-            "build the destination on surviving devices only"
-        )
+    _check_destination_avoids(where, leaf.dst_sharding, avoid)
     src = leaf.src_sharding
     src_ids = [device_id(d) for d in src.device_set] if src else []
     src_avoided = sorted(i for i in src_ids if i in avoid)
@@ -650,13 +654,7 @@ def _build_plan(
                 "(use jax.device_put to cross platforms)"
             )
         platforms |= leaf_platforms
-        dst_devices: set[Any] = set(dst.device_set)
-        dst_avoided = sorted(d.id for d in dst_devices if d.id in avoid)
-        if dst_avoided:
-            raise ValueError(
-                f"leaf {leaf.path or '<root>'}: the destination sharding uses avoided devices "
-                f"{dst_avoided}; build the destination on surviving devices only"
-            )
+        _check_destination_avoids(leaf.path or "<root>", dst, avoid)
         specs.append(
             LeafSpec(
                 leaf.path or "<root>",
