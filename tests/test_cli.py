@@ -382,6 +382,30 @@ def test_plan_colours_only_on_a_terminal() -> None:
     assert "\x1b[" in run_cli(*args, FORCE_COLOR="1").stdout
 
 
+def test_piped_output_has_no_trailing_spaces() -> None:
+    # rich pads tables and panels to the console's width; saved output must diff cleanly.
+    for shape, per_device in (
+        ("64,64", " device     sends   receives   new buffers\n"),
+        # Zero-size: one line instead of a table of headers alone.
+        ("0,4", "per device: no device sends, receives or allocates anything\n"),
+    ):
+        res = run_cli("plan", "--shape", shape, "--src-mesh", "2x4", "--dst-mesh", "4x2")
+        assert res.returncode == 0, res.stderr
+        assert per_device in res.stdout
+        assert [line for line in res.stdout.splitlines() if line.endswith(" ")] == []
+
+
+def test_trailing_spaces_are_dropped_only_at_the_end_of_a_line() -> None:
+    import io
+
+    buf = io.StringIO()
+    out = _cli._NoTrailingSpaces(buf)
+    for chunk in ("a  ", "b  ", "\nc ", " \n  d", "  "):
+        out.write(chunk)
+    # Spaces held back at the end of a write are written once the line goes on.
+    assert buf.getvalue() == "a  b\nc\n  d"
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -507,9 +531,12 @@ def test_plan_dtype_refuses_ml_dtypes_names_jax_has_no_arrays_of(name: str) -> N
           for cmd, rest in (("plan", ["--shape", "8", "--src-mesh", "2", "--dst-mesh", "2"]),
                             ("bench", []), ("demo", ["--devices", "4"]))],
         (["--bogus", "bench"], ["reshard: error: unrecognized arguments: --bogus"]),
-        # argparse takes "-5,64" for a flag: say how to pass it.
+        # argparse takes "-5,64" for a flag: what is wrong with it, not how to pass it
+        # (with '=') only to be told then.
         (["plan", "--shape", "-5,64", "--src-mesh", "2", "--dst-mesh", "2"],
-         ["--shape", "needs '='", "--shape=-5,64"]),
+         ["argument --shape: '-5,64'", ">= 0"]),
+        (["plan", "--shape", "8", "--src-mesh", "2", "--src-devices", "-1,0", "--dst-mesh", "2"],
+         ["argument --src-devices: '-1,0'", "inclusive ranges"]),
         (["plan", "--shape=-5,64", "--src-mesh", "2", "--dst-mesh", "2"], ["--shape", ">= 0"]),
     ],
 )  # fmt: skip
@@ -535,6 +562,18 @@ _BAD_ARGUMENTS_IN_A_SUBPROCESS = [
     ["--bogus"],
     ["plan", "--shape", "9" * 5000, "--src-mesh", "2", "--dst-mesh", "2"],
 ]
+
+
+def test_a_value_starting_with_a_dash_that_is_valid_is_shown_how_to_pass() -> None:
+    parser = _cli._Parser(prog="reshard x")
+    parser.add_argument("--offsets")
+    with pytest.raises(_cli.UsageError) as e:
+        parser.parse_args(["--offsets", "-5,64"])
+    assert str(e.value) == (
+        "argument --offsets: expected one argument; a value that starts with '-' needs "
+        "'=', e.g. --offsets=-5,64 (see 'reshard x --help')"
+    )
+    assert parser.parse_args(["--offsets=-5,64"]).offsets == "-5,64"
 
 
 def test_bad_environment_is_one_line_exit_2() -> None:
@@ -645,11 +684,13 @@ def test_help_and_version() -> None:
 # ----------------------------------------------------------------------------------
 
 
+FOOTER_LINE = "alpha and beta are made up"
 FAKE_SUITE = """
 import dataclasses
 
 SCENARIOS = ("alpha", "beta")
 SETUP = []
+FOOTER = "alpha and beta are made up"
 
 def setup_devices(n):
     SETUP.append(n)
@@ -692,6 +733,13 @@ def test_bench_runs_a_suite_and_prints_its_ratios(tmp_path: Path) -> None:
     res = run_cli(*args, RESHARD_BENCH_MODULE=str(suite))
     assert res.returncode == 0, res.stderr
     assert "2.50x" in res.stdout and "2.0 ms" in res.stdout and "1.0 MiB" in res.stdout
+    # The footer is the suite's own: not the built-in suite's explanation of its columns.
+    assert res.stdout.rstrip().endswith(FOOTER_LINE) and "memcpy" not in res.stdout
+    no_footer = tmp_path / "no_footer.py"
+    no_footer.write_text(textwrap.dedent(FAKE_SUITE).replace(f'FOOTER = "{FOOTER_LINE}"', ""))
+    res = run_cli(*args, RESHARD_BENCH_MODULE=str(no_footer))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.rstrip().endswith("2.50x") and FOOTER_LINE not in res.stdout
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,11 @@ from typing import Any
 from ._timing import fresh_arrays
 
 SCENARIOS = ("disjoint", "sync", "relayout", "shrink", "leaves", "narrow")
+# What `reshard bench` prints under the table: how to read this suite's columns.
+FOOTER = (
+    "times are medians of one run; ratios are the suite's own (vs_device_put > 1: "
+    "reshard is faster; vs_floor: reshard time / memcpy of the moved bytes)"
+)
 
 
 def setup_devices(n: int = 8) -> None:

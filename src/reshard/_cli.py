@@ -86,19 +86,27 @@ class _Parser(argparse.ArgumentParser):
             end = next((i for i, a in enumerate(self._args) if a in commands), None)
             named = " ".join(a for a in self._args[:end] if a.startswith("-"))
             message = f"unrecognized arguments: {named}; name a command first, then its flags"
-        message += self._dash_value_hint(message)
+        message = self._dash_value(message)
         raise UsageError(f"{message} (see '{self.prog} --help')", prog=self.prog)
 
-    def _dash_value_hint(self, message: str) -> str:
-        """How to pass a value such as ``-5,64``, which argparse takes for a flag."""
+    def _dash_value(self, message: str) -> str:
+        """``message``, for a value such as ``-5,64`` that argparse takes for a flag: what
+        is wrong with the value, or else how to pass it (``--flag=-5,64``)."""
         m = re.fullmatch(r"argument (\S+): expected one argument", message)
         if m is None:
-            return ""
+            return message
         flags = m.group(1).split("/")
         for flag, value in zip(self._args, self._args[1:], strict=False):
             if flag in flags and value.startswith("-") and not re.match(r"--?[A-Za-z]", value):
-                return f"; a value that starts with '-' needs '=', e.g. {flag}={value}"
-        return ""
+                convert = next((a.type for a in self._actions if flag in a.option_strings), None)
+                try:
+                    if callable(convert):
+                        convert(value)
+                except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+                    # Not worth a hint that leads to this error: say it now.
+                    return f"argument {m.group(1)}: {e}"
+                return f"{message}; a value that starts with '-' needs '=', e.g. {flag}={value}"
+        return message
 
 
 class _CommandParser(_Parser):
@@ -211,10 +219,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def console() -> Any:
-    """The stdout console: colours only on a terminal; no guessing of highlights."""
+    """The stdout console: colours only on a terminal; no guessing of highlights.
+
+    Piped, lines end without the spaces rich pads tables and panels with (to the
+    console's width), so that saved output diffs and greps cleanly.
+    """
     from rich.console import Console
 
+    try:
+        piped = not sys.stdout.isatty()
+    except (AttributeError, ValueError):  # stdout closed at start (`>&-`): rich reports it
+        piped = False
+    if piped:
+        return Console(highlight=False, file=cast(TextIO, _NoTrailingSpaces(sys.stdout)))
     return Console(highlight=False)
+
+
+class _NoTrailingSpaces:
+    """A text stream that drops the spaces at the end of each line written through it.
+
+    Spaces at the end of one ``write`` are held back until the next shows whether
+    the line goes on (they are written) or ends there (they are dropped).
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._held = ""
+
+    def write(self, text: str) -> int:
+        *lines, last = (self._held + text).split("\n")
+        kept = last.rstrip(" ")
+        self._held = last[len(kept) :]
+        done = "".join(line.rstrip(" ") + "\n" for line in lines)
+        self._stream.write(done + kept)
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,8 +8,9 @@ code); this module only finds it, runs it and prints its rows. What it relies on
   ``NamedTuple``s, each from column name to value in display order;
 * of its keyword arguments, those it declares among ``size_mb``, ``repeats``/``reps``,
   ``cases``/``scenarios``, ``rss`` and ``progress`` (a callable taking a message);
-* optionally ``SCENARIOS`` (the valid case names) and ``setup_devices(n)`` (which
-  simulates the CPU devices before JAX starts).
+* optionally ``SCENARIOS`` (the valid case names), ``setup_devices(n)`` (which
+  simulates the CPU devices before JAX starts) and ``FOOTER`` (a line printed under
+  the table: how to read the suite's columns).
 
 The environment variable ``RESHARD_BENCH_MODULE`` (a module name or a ``.py`` path)
 points ``reshard bench`` at another suite with the same contract.
@@ -245,10 +246,10 @@ def run(args: argparse.Namespace, console: Any) -> int:
     if not console.is_terminal:
         console.width = 200
     console.print(table)
-    console.print(
-        "times are medians of one run; ratios are the suite's own (vs_device_put > 1: "
-        "reshard is faster; vs_floor: reshard time / memcpy of the moved bytes)"
-    )
+    # The suite says how to read its columns; another suite's are not ours to explain.
+    footer = getattr(module, "FOOTER", None)
+    if isinstance(footer, str) and footer:
+        console.print(footer)
     return 0
 
 

@@ -130,11 +130,14 @@ def summary_table(report: Mapping[str, Any], title: str = "plan") -> Table:
     return t
 
 
-def device_table(report: Mapping[str, Any]) -> Table:
+def device_table(report: Mapping[str, Any]) -> Table | Text:
     """Per-device send/receive bytes; a min/mean/max distribution for many devices."""
     s = report["stats"]
     send, recv, peak = _ids(s["send_bytes"]), _ids(s["recv_bytes"]), _ids(s["peak_extra_bytes"])
     devices = sorted(set(send) | set(recv) | set(peak))
+    if not any((*send.values(), *recv.values(), *peak.values())):
+        # (Zero-size arrays, or nothing to move: a table of zeros, or of headers alone.)
+        return Text("per device: no device sends, receives or allocates anything")
     if len(devices) <= MAX_DEVICE_ROWS:
         t = Table(title="per device", box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
         for name in ("device", "sends", "receives", "new buffers"):
