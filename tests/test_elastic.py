@@ -732,14 +732,102 @@ def test_manager_error_parser_may_name_devices_and_must_name_something_sensible(
     state, _ = em.run_step(step, simple_state(full))
     assert calls == [{"data": 4, "fsdp": 2}, {"data": 3, "fsdp": 2}] and em.lost_devices == {7}
     np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(32.0).reshape(8, 4) + 1)
-    bad = reshard.ElasticManager(full, "data", error_parser=lambda e: ["7"])
-    with pytest.raises(
-        TypeError,
-        match=r"error_parser must return device ids or devices; "
-        r"it returned str: '7' for RuntimeError: boom",
-    ) as e:
-        bad.run_step(lambda s, m: (_ for _ in ()).throw(RuntimeError("boom")), simple_state(full))
-    assert isinstance(e.value.__cause__, RuntimeError)
+    boom = lambda s, m: (_ for _ in ()).throw(RuntimeError("boom"))  # noqa: E731
+    for returned, said in (
+        (["7"], "an item str: '7'"),
+        # One id or one device, not a collection of them ("'int' object is not iterable")
+        (7, "int: 7"),
+        (DEVICES[7], f"{type(DEVICES[7]).__name__}: {DEVICES[7]!r}"),
+    ):
+        bad = reshard.ElasticManager(full, "data", error_parser=lambda e, r=returned: r)
+        with pytest.raises(TypeError) as e:
+            bad.run_step(boom, simple_state(full))
+        assert str(e.value) == (
+            "ElasticManager: error_parser must return a collection of device ids or devices "
+            f"(empty, or None: not a device loss); it returned {said} for RuntimeError: boom"
+        )
+        assert isinstance(e.value.__cause__, RuntimeError) and not bad.lost_devices
+    # None is a parser's "not a device loss": the step's error, unchanged.
+    quiet = reshard.ElasticManager(full, "data", error_parser=lambda e: None)
+    with pytest.raises(RuntimeError, match="^boom$"):
+        quiet.run_step(boom, simple_state(full))
+    assert not quiet.lost_devices
+
+
+def test_manager_handles_a_device_lost_while_the_state_moves(monkeypatch):
+    """The move onto the smaller mesh fails, naming another device: it is avoided too."""
+    full = mesh_of((4, 2), ("data", "fsdp"))
+    real = _elastic._recover_with_plan
+    moves = []
+
+    def move_loses_device_2_once(state, target, avoid, donate):
+        moves.append((dict(target.shape), sorted(avoid)))
+        if len(moves) == 1:
+            raise RuntimeError("UNAVAILABLE: device 2 halted")
+        return real(state, target, avoid, donate=donate)
+
+    monkeypatch.setattr(_elastic, "_recover_with_plan", move_loses_device_2_once)
+    meshes = []
+
+    def step(state, mesh):
+        meshes.append(dict(mesh.shape))
+        if len(meshes) == 1:
+            raise reshard.DeviceLossError([7])
+        return add_one(state, mesh)
+
+    em = reshard.ElasticManager(full, "data", donate=True)
+    state = simple_state(full)
+    out, _ = em.run_step(step, state)
+    # Losing 7 drops the slice (6, 7); the move to that mesh lost 2, so (2, 3) goes too.
+    assert moves == [({"data": 3, "fsdp": 2}, [7]), ({"data": 2, "fsdp": 2}, [2, 7])]
+    assert meshes == [{"data": 4, "fsdp": 2}, {"data": 2, "fsdp": 2}]
+    assert em.lost_devices == {2, 7}
+    assert {d.id for d in out["w"].sharding.device_set} == {0, 1, 4, 5}
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(32.0).reshape(8, 4) + 1)
+    # A move that keeps losing devices counts against max_retries like the step.
+    em = reshard.ElasticManager(full, "data", max_retries=1, donate=True)
+    monkeypatch.setattr(
+        _elastic,
+        "_recover_with_plan",
+        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("UNAVAILABLE: device 4 halted")),
+    )
+    state = simple_state(full)
+    with pytest.raises(RuntimeError, match=r"gave up after 1 retries") as e:
+        em.run_step(lambda s, m: (_ for _ in ()).throw(reshard.DeviceLossError([7])), state)
+    assert str(e.value.__cause__) == "UNAVAILABLE: device 4 halted"
+    assert em.lost_devices == {4, 7} and em.pending
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(32.0).reshape(8, 4))
+
+
+def test_a_recovery_that_fails_says_which_loss_led_to_it():
+    """Data loss found after a step failed: the step's error is the ``__cause__``."""
+    mesh = mesh_of((2, 4), ("data", "fsdp"))
+    em = reshard.ElasticManager(mesh, "data")
+    state = jax.device_put(np.arange(16.0), NamedSharding(mesh, P(("data", "fsdp"))))
+
+    def step(state, mesh):
+        raise RuntimeError("UNAVAILABLE: device 5 halted")
+
+    with pytest.raises(reshard.DataLossError) as e:
+        em.run_step(step, state)
+    assert str(e.value.__cause__) == "UNAVAILABLE: device 5 halted"
+    assert em.pending and em.lost_devices == {5}
+    np.testing.assert_array_equal(np.asarray(state), np.arange(16.0))
+
+
+def test_errors_pickle_and_copy_with_their_attributes():
+    """A health checker in another process, or a pool's worker, hands errors over."""
+    import copy
+    import pickle
+
+    loss = reshard.DeviceLossError([5, 4], "TPU 4 and 5 went away")
+    gone = reshard.DataLossError([("['w']", ((0, 4),))])
+    for again in (pickle.loads(pickle.dumps(loss)), copy.copy(loss)):
+        assert type(again) is reshard.DeviceLossError and again.devices == {4, 5}
+        assert str(again) == "TPU 4 and 5 went away"
+    for again in (pickle.loads(pickle.dumps(gone)), copy.copy(gone)):
+        assert type(again) is reshard.DataLossError and again.missing == gone.missing
+        assert str(again) == str(gone)
 
 
 def test_manager_says_which_sizes_to_allow_when_the_state_does_not_divide():
@@ -856,11 +944,22 @@ def test_manager_argument_errors():
         # Errors that name a device without losing it.
         (RuntimeError("INTERNAL: during compilation for device 0: bad HLO"), set()),
         (RuntimeError("INTERNAL: Failed to allocate 4096 bytes on device 0"), set()),
+        (RuntimeError("INTERNAL: Failed allocating 4096 bytes on device 0"), set()),
+        (RuntimeError("INTERNAL: error while allocating a buffer: device 0 failed"), set()),
+        # XLA's internal checks, and what a device cannot do, lose no device.
+        (RuntimeError("INTERNAL: RET_CHECK failure (a.cc:12) device_ordinal=0 != 1"), set()),
+        (RuntimeError("INTERNAL: unsupported hardware feature on device 0"), set()),
+        (RuntimeError("UNIMPLEMENTED: hardware op on device 1 failed"), set()),
+        # A PCI bus address is no device id; the driver's words for a lost GPU are.
+        (RuntimeError("INTERNAL: GPU 00000000:3B:00.0: Xid 79, GPU has fallen off"), set()),
+        (RuntimeError("INTERNAL: GPU 3: Xid 79, GPU has fallen off the bus"), {3}),
+        (RuntimeError("UNAVAILABLE: device 3. Xid 79"), {3}),
         (RuntimeError("INTERNAL: cuda 12 error: driver too old"), set()),
         (RuntimeError("INTERNAL: cuda:3 uncorrectable ECC error"), {3}),
         # A bracketed list of the devices an operation ran on counts no more than a bare one.
         (RuntimeError("ABORTED: all-gather over devices [0, 1, 2, 3]: device 2 halted"), {2}),
         (RuntimeError("UNAVAILABLE: across devices (4, 5): TPU_5 heartbeat timed out"), {5}),
+        (RuntimeError("INTERNAL: all-reduce over the devices [0, 1, 2, 3]: device 2 halted"), {2}),
         (ValueError("UNAVAILABLE device 3 lost"), set()),
         # A user's callback that raised, in JAX's words: the user's error, not a loss.
         (RuntimeError("INTERNAL: CpuCallback error calling callback: device 3 failed"), set()),

@@ -63,6 +63,10 @@ class DeviceLossError(RuntimeError):
         self.devices = frozenset(device_id(d) for d in _listed(devices, "DeviceLossError"))
         super().__init__(message or f"devices {sorted(self.devices)} lost")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (to another process, a pool's worker) and copied with its devices.
+        return (type(self), (sorted(self.devices), str(self)), self.__dict__)
+
 
 def _recover_with_plan(
     x: Any, sharding: Any, lost_devices: Iterable[Any], *, donate: bool
@@ -135,12 +139,13 @@ _FAILURE = re.compile(
     r"\blost\b|halted|hardware|uncorrectable|\bECC\b|\bXid\b|device.{0,40}fail|fail.{0,40}device",
     re.IGNORECASE,
 )
-# Compilation and allocation failures name a device too, but lose none.
+# Compilation and allocation failures name a device too, but lose none; nor do XLA's
+# internal checks (RET_CHECK) and what a device cannot do (UNIMPLEMENTED, unsupported).
 # Nor does an error raised by the user's own callback (jax.pure_callback and kin), which
 # JAX reports as INTERNAL with the callback's message.
 _NOT_LOSS = re.compile(
-    r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b|\bcompil(?:e|ing|ation)\b|\ballocat(?:e|ion)\b"
-    r"|\w*Callback error",
+    r"RESOURCE_EXHAUSTED|out of memory|\bOOM\b|\bcompil(?:e|ing|ation)\b|\ballocat\w*"
+    r"|\w*Callback error|\bRET_CHECK\b|\bUNIMPLEMENTED\b|\bunsupported\b|\bnot supported\b",
     re.IGNORECASE,
 )
 # "devices [4, 5]", "device ids (4, 5)"; without brackets only after "device ids":
@@ -153,11 +158,14 @@ _ID_LIST = re.compile(
     r"|\bdevice[ _]ids\s*[:=]?\s*(\d+(?:\s*,\s*\d+)*)\b",
     re.I,
 )
-_OPERATION_LIST = re.compile(r"\b(?:over|across|among)\s+$", re.IGNORECASE)
+_OPERATION_LIST = re.compile(r"\b(?:over|across|among)\s+(?:all\s+)?(?:the\s+)?$", re.I)
 # "device 3", "device_id=3", "Device(id=3", "TPU_3", "TpuDevice(id=3", "gpu:3", "cuda:3"
-# ("cuda 12" is more often a CUDA version than a device: cuda needs its separator)
+# ("cuda 12" is more often a CUDA version than a device: cuda needs its separator; and
+# "GPU 00000000:3B:00.0" is a PCI bus address, which a number followed by ":3B" or ".0"
+# starts, not an id)
 _ID_ONE = re.compile(
-    r"(?:\bdevice[ _]?(?:id|ordinal)?|\bTPU|\bGPU)\s*[:=#_]?\s*(\d+)\b|\bcuda\s*[:#_]\s*(\d+)\b"
+    r"(?:(?:\bdevice[ _]?(?:id|ordinal)?|\bTPU|\bGPU)\s*[:=#_]?\s*(\d+)\b"
+    r"|\bcuda\s*[:#_]\s*(\d+)\b)(?![:.][0-9A-Fa-f])"
     r"|\w*Device\(id=(\d+)",
     re.IGNORECASE,
 )
@@ -290,8 +298,8 @@ class ElasticManager:
         giving up with ``RuntimeError``.
       allowed_sizes: sizes the axis may take (see ``shrink_mesh``); the full mesh's
         size is always allowed (the manager starts there and grows back to it).
-      error_parser: maps an exception to the ids of lost devices (empty: not a device
-        loss, re-raised); default ``parse_lost_devices``.
+      error_parser: maps an exception to the ids (or devices) of lost devices (empty
+        or ``None``: not a device loss, re-raised); default ``parse_lost_devices``.
       donate: free the old state's buffers after each successful recovery.
 
     Example:
@@ -525,16 +533,24 @@ class ElasticManager:
 
     def _parsed(self, error: Exception) -> set[int]:
         """The device ids ``error_parser`` names (ids or devices) for ``error``."""
-        named = set()
-        for d in self.error_parser(error):
-            try:
+        found = self.error_parser(error)
+        if found is None:  # a parser's "not a device loss", like an empty collection
+            return set()
+        wrong: Any = None
+        try:
+            named = set()
+            for d in _listed(found):
+                wrong = d
                 named.add(device_id(d))
-            except ValueError:
-                raise TypeError(
-                    f"ElasticManager: error_parser must return device ids or devices; it "
-                    f"returned {type(d).__name__}: {d!r} for {type(error).__name__}: {error}"
-                ) from error
-        return named
+            return named
+        except (TypeError, ValueError):
+            what = found if wrong is None else wrong
+            raise TypeError(
+                "ElasticManager: error_parser must return a collection of device ids or "
+                "devices (empty, or None: not a device loss); it returned "
+                f"{'' if wrong is None else 'an item '}{type(what).__name__}: {what!r} for "
+                f"{type(error).__name__}: {error}"
+            ) from error
 
     def run_step(self, step_fn: StepFn, state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Runs ``step_fn(state, mesh, *args, **kwargs)``, recovering from device loss.
@@ -544,6 +560,8 @@ class ElasticManager:
         state is recovered onto the smaller mesh and the step is retried, at most
         ``max_retries`` times. Idle devices the error names (in a dropped slice) are
         marked lost too; an error that names no active device is raised unchanged.
+        A device lost while the state moves (an error of the move that names devices
+        not yet lost) counts the same: it is marked lost and the move tried again.
 
         Args:
           step_fn: returns ``(new_state, aux)``.
@@ -560,12 +578,30 @@ class ElasticManager:
           ValueError: no mesh avoids the lost devices, or the state cannot be laid out
             on the mesh that does (its shape does not divide by the axis's new size:
             see ``allowed_sizes``); the state and the pending change are kept.
+            After a device loss in this call, these errors have it as their
+            ``__cause__``.
           TypeError: ``error_parser`` returned something other than ids or devices.
           Exception: any error of ``step_fn`` that is not a device loss, unchanged.
         """
         failures = 0
+        failed: Exception | None = None  # the last device loss, which a retry follows
         while True:
-            state = self.apply(state)
+            try:
+                state = self.apply(state)
+            except Exception as e:
+                # A device lost while the state moves (the move's runtime error names
+                # it): avoid it too, and move again. Anything else is the move's own
+                # error (no mesh left, data loss), raised with the loss that led to it.
+                lost = self._parsed(e) & (self._all.keys() - self._lost)
+                if not lost:
+                    if failed is not None and e is not failed:
+                        raise e from failed
+                    raise
+                failures += 1
+                self.mark_lost(lost, cause=f"{type(e).__name__}: {e}")
+                self._give_up_after(failures, lost, e)
+                failed = e
+                continue
             try:
                 out = step_fn(state, self._mesh, *args, **kwargs)
                 # Device failures surface asynchronously; wait so they are caught here.
@@ -586,9 +622,14 @@ class ElasticManager:
                 failures += 1
                 # Recorded before giving up, too: the next apply must avoid them.
                 self.mark_lost(lost, cause=f"{type(e).__name__}: {e}")
-                if failures > self.max_retries:
-                    raise RuntimeError(
-                        f"ElasticManager: gave up after {self.max_retries} retries; the last "
-                        f"attempt lost devices {sorted(lost)} (lost so far: "
-                        f"{sorted(self._lost)}). Raise max_retries, or check the hardware"
-                    ) from e
+                self._give_up_after(failures, lost, e)
+                failed = e
+
+    def _give_up_after(self, failures: int, lost: set[int], error: Exception) -> None:
+        """Raises once ``failures`` device losses exceed ``max_retries``."""
+        if failures > self.max_retries:
+            raise RuntimeError(
+                f"ElasticManager: gave up after {self.max_retries} retries; the last "
+                f"attempt lost devices {sorted(lost)} (lost so far: "
+                f"{sorted(self._lost)}). Raise max_retries, or check the hardware"
+            ) from error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from ._geometry import Box
 
@@ -29,3 +30,7 @@ class DataLossError(ValueError):
             f"data lost: {len(self.missing)} box(es) have no copy on a surviving device: "
             f"{shown}{more}. Restore these leaves from a checkpoint, or keep more replicas."
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (to another process) and copied with what is missing.
+        return (type(self), (self.missing,), self.__dict__)
