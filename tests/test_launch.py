@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import reshard
 from reshard._launch import (
     ENV_COORDINATOR_ADDRESS,
     ENV_NUM_PROCESSES,
@@ -240,7 +241,7 @@ def test_script_and_module_targets_get_argv(tmp_path: Path) -> None:
         args=["b"],
         initialize=False,
         timeout_s=30,
-        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{Path(__file__).parents[1] / 'src'}"},
+        env={"PYTHONPATH": str(tmp_path)},  # this package's directory still comes first
     )
     assert results[0].stdout.strip() == "module main ['b']"
 
@@ -511,11 +512,14 @@ def test_no_orphans_when_the_launcher_itself_is_interrupted_or_killed(
 
 
 def test_env_values_may_be_text_bytes_or_paths(tmp_path: Path) -> None:
-    env = {"RV_TEXT": "a", "RV_BYTES": b"b", "RV_PATH": tmp_path}
+    env = {"RV_TEXT": "a", "RV_BYTES": b"b", "RV_PATH": tmp_path, "PYTHONPATH": tmp_path}
     results = launch_local(
         f"{HERE}:_target_env", 1, 1, args=[list(env)], env=env, initialize=False, timeout_s=30
     )
-    assert results[0].value == ["a", "b", str(tmp_path)]
+    # A PYTHONPATH of the caller's own comes after the directory this package is
+    # imported from: a child of a copy that is not installed imports it all the same.
+    package_root = str(Path(reshard.__file__).resolve().parents[1])
+    assert results[0].value == ["a", "b", str(tmp_path), f"{package_root}{os.pathsep}{tmp_path}"]
 
 
 def test_bad_arguments_are_rejected_with_the_value() -> None:

@@ -673,23 +673,34 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         # another order on process 0. Their collectives match (same bytes, same
         # devices), so each call met the other plan's and returned its data, wrong,
         # without an error. Every process raises instead, the inputs intact, and all
-        # stay in step (the next calls work).
+        # stay in step (the next calls work). The plans differ in element type, or
+        # only where their programs are alike: in the destination's memory kind, or a
+        # key array against its own uint32 data.
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        pinned = ns(devs[half:], ("t",), P(None, "t"), "pinned_host")
+        key_data = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 16)))
         b = _ground_truth(a.shape, np.int32, 1)
-        x, z = make(a, src), make(b, src)
-        for v in (x, z):
-            reshard.reshard(v, dst, cache_resharding_plans=True)
-        for v in (x, z) if me == 0 else (z, x):
-            try:
-                reshard.reshard(v, dst, cache_resharding_plans=True)
-                raise AssertionError("calls in another order did not raise")
-            except RuntimeError as e:
-                assert "reshard calls differ across processes" in str(e), e
-                assert "[0] | [1" in str(e), e  # names the processes that differ
-        check(x, a, src)
-        check(z, b, src)
-        check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
-        check(reshard.reshard(z, dst, cache_resharding_plans=True), b, dst)
+        c = _ground_truth(a.shape, a.dtype, 2)
+        for x, z, hx, hz, dx, dz in (
+            (make(a, src), make(b, src), a, b, dst, dst),
+            (make(a, src), make(c, src), a, c, dst, pinned),
+            (jax.random.wrap_key_data(make(key_data, src)), make(key_data, src),
+             key_data, key_data, ns(devs[half:], ("t",), P("t")),
+             ns(devs[half:], ("t",), P("t"))),
+        ):  # fmt: skip
+            for v, d in ((x, dx), (z, dz)):
+                reshard.reshard(v, d, cache_resharding_plans=True)
+            for v, d in ((x, dx), (z, dz)) if me == 0 else ((z, dz), (x, dx)):
+                try:
+                    reshard.reshard(v, d, cache_resharding_plans=True)
+                    raise AssertionError(f"calls in another order did not raise ({d})")
+                except RuntimeError as e:
+                    assert "reshard calls differ across processes" in str(e), e
+                    assert "[0] | [1" in str(e), e  # names the processes that differ
+            check(x, hx, src)
+            check(z, hz, src)
+            check(reshard.reshard(x, dx, cache_resharding_plans=True), hx, dx)
+            check(reshard.reshard(z, dz, cache_resharding_plans=True), hz, dz)
 
     def a_call_failing_on_one_process_is_not_paired_with_its_next() -> None:
         # Process 1's call fails before its collectives (bad input, caught by the user)

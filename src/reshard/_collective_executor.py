@@ -131,6 +131,10 @@ class CollectiveProgram:
         left out of the union mesh, so no program runs on a lost device and none of
         its buffers is fed to one (no destination is ever on them).
       platform: the platform of the arrays' devices (``None``: JAX's default).
+      described: what tells the call's arrays apart beyond the programs' own view
+        (which sees key arrays as their ``uint32`` data, and no memory kinds): part
+        of the fingerprint, so that two plans whose programs are alike still differ
+        when processes call them in different orders.
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class CollectiveProgram:
         group_bytes: int | None = None,
         avoid: frozenset[int] = frozenset(),
         platform: str | None = None,
+        described: Any = (),
     ) -> None:
         dst_ids = {s.device for lp in leaf_plans for s in lp.spec.dst}
         assert not dst_ids & avoid, "the API refuses destinations on devices to avoid"
@@ -182,6 +187,7 @@ class CollectiveProgram:
                 alias,
                 pack_on_host,
                 group_bytes,
+                described,
             )
             self.fingerprint = hashlib.sha256(repr(what).encode()).digest()[:16]
         # Destination position -> source position whose buffer is handed over as it is.
@@ -389,9 +395,9 @@ class CollectiveProgram:
         return list(fn())
 
 
-def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]) -> None:
-    """Checks that every process built the same program (and asks for the same memory
-    kinds), before any of them runs it.
+def agree(program: CollectiveProgram) -> None:
+    """Checks that every process built the same program (for arrays of the same types
+    and memory kinds: its fingerprint), before any of them runs it.
 
     Processes that were called with different arguments (breaking the
     multi-controller contract, e.g. destination shardings built from
@@ -410,8 +416,7 @@ def agree(program: CollectiveProgram, shardings: Sequence[jax.sharding.Sharding]
     """
     if jax.process_count() == 1:
         return
-    kinds = repr([getattr(s, "memory_kind", None) for s in shardings]).encode()
-    digest = hashlib.sha256(program.fingerprint + kinds).digest()[:16]
+    digest = program.fingerprint
     client = _compat.distributed_client()
     if client is not None:
         everyone = _exchange(client, digest)
@@ -559,9 +564,14 @@ def run_collective(
                 group_bytes=group_bytes,
                 avoid=plan.avoid_devices,
                 platform=_platform(shardings),
+                described=(
+                    [(leaf.kind, str(leaf.dtype)) for leaf in plan.planned_leaves],
+                    [getattr(x.sharding, "memory_kind", None) for x in sources],
+                    [getattr(s, "memory_kind", None) for s in shardings],
+                ),
             )
             if plan.crosses_processes:  # (within one process, others make no such call)
-                agree(program, shardings)  # before caching: a mismatch raises again next call
+                agree(program)  # before caching: a mismatch raises again next call
             plan._cache[key] = program
         if program.host_packed:
             return host_packed.run_host_packed(program, sources, shardings)

@@ -224,7 +224,8 @@ def launch_local(
         args: positional arguments for the target, a list or tuple (JSON-serialisable
             for function targets).
         env: extra environment variables for the children (override the defaults,
-            e.g. ``{"JAX_PLATFORMS": "cuda"}``).
+            e.g. ``{"JAX_PLATFORMS": "cuda"}``; a ``PYTHONPATH`` comes after the
+            directory this package is imported from).
         initialize: call :func:`initialize_from_env` before the target. Pass False when
             the target calls it itself (e.g. to test a process that arrives late).
         check: raise :class:`LaunchError` unless every process exited with status 0.
@@ -602,9 +603,6 @@ def _child_environment(
     env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
     env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
     env["PYTHONUNBUFFERED"] = "1"  # output survives a kill
-    # The child must import this very package, installed or not.
-    pkg_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
     env.update(
         {
             ENV_COORDINATOR_ADDRESS: coordinator,
@@ -619,6 +617,10 @@ def _child_environment(
         }
     )
     env.update({k: os.fsdecode(v) for k, v in (extra or {}).items()})  # (as Popen would)
+    # The child must import this very package, installed or not: first on its path,
+    # also when `extra` gives a PYTHONPATH of its own.
+    pkg_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
     return env
 
 
