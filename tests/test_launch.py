@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import reshard
+from reshard import _launch
 from reshard._launch import (
     ENV_COORDINATOR_ADDRESS,
     ENV_NUM_PROCESSES,
@@ -513,13 +514,103 @@ def test_no_orphans_when_the_launcher_itself_is_interrupted_or_killed(
 
 def test_env_values_may_be_text_bytes_or_paths(tmp_path: Path) -> None:
     env = {"RV_TEXT": "a", "RV_BYTES": b"b", "RV_PATH": tmp_path, "PYTHONPATH": tmp_path}
+    names = [*env, _launch.ENV_SHUTDOWN_TIMEOUT_S]
     results = launch_local(
-        f"{HERE}:_target_env", 1, 1, args=[list(env)], env=env, initialize=False, timeout_s=30
+        f"{HERE}:_target_env", 1, 1, args=[names], env=env, initialize=False, timeout_s=29.5
     )
     # A PYTHONPATH of the caller's own comes after the directory this package is
     # imported from: a child of a copy that is not installed imports it all the same.
     package_root = str(Path(reshard.__file__).resolve().parents[1])
-    assert results[0].value == ["a", "b", str(tmp_path), f"{package_root}{os.pathsep}{tmp_path}"]
+    assert results[0].value[:4] == [
+        "a",
+        "b",
+        str(tmp_path),
+        f"{package_root}{os.pathsep}{tmp_path}",
+    ]
+    # A process that has finished waits for the others at JAX's shutdown barrier as long
+    # as the launch may run (a shorter wait aborted correct runs whose processes
+    # finished ~10 s apart).
+    assert results[0].value[4] == "30"
+
+
+def test_file_targets_import_modules_beside_them(tmp_path: Path) -> None:
+    """As ``python script.py`` would: the file's directory is first on the path."""
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "helper_beside.py").write_text("ANSWER = 42\n")
+    (sub / "uses_helper.py").write_text(
+        "import sys\nimport helper_beside\n\n\ndef fn():\n    return helper_beside.ANSWER\n\n\n"
+        "if __name__ == '__main__':\n    print('script', helper_beside.ANSWER, sys.argv[1:])\n"
+    )
+    script = str(sub / "uses_helper.py")
+    (scripted,) = launch_local(script, 1, 1, args=["x"], initialize=False, timeout_s=30)
+    (called,) = launch_local(f"{script}:fn", 1, 1, initialize=False, timeout_s=30)
+    assert scripted.stdout.strip() == "script 42 ['x']" and called.value == 42
+
+
+def test_an_interrupt_while_ending_the_children_still_kills_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second Ctrl-C (or a SIGTERM) during the SIGTERM grace: the SIGKILL still goes
+    out (to a child that ignores SIGTERM here), then the interruption is raised."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGTERM, "
+         "signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+
+        def interrupted(pgids: object) -> bool:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(_launch, "_TERM_GRACE_S", 0.2)
+        monkeypatch.setattr(_launch, "_groups_alive", interrupted)
+        ended: dict[int, float] = {}
+        with pytest.raises(KeyboardInterrupt):
+            _launch._end_all([child], ended)
+        assert child.wait(timeout=10) == -signal.SIGKILL and 0 in ended
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_the_coordinators_port_is_held_for_the_launch() -> None:
+    """While held, no other program's ``bind`` to port 0 gets the port (another launch's
+    coordinator, which binds with SO_REUSEPORT, would share it), and a plain bind to
+    it fails; a gRPC server (SO_REUSEPORT) may still listen on it."""
+    import socket
+
+    held = _launch._hold_port(_launch.free_port())
+    assert held is not None
+    port = held.getsockname()[1]
+    try:
+        assert port not in {_launch.free_port() for _ in range(3000)}
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+        with socket.socket() as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+        assert _launch._hold_port(_launch.free_port()) is not None  # (and closed)
+    finally:
+        held.close()
+    # A port some program holds already cannot be held (process 0 will find it taken).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        assert _launch._hold_port(taken.getsockname()[1]) is None
+
+
+def test_launch_errors_pickle_with_their_results() -> None:
+    """Raised in a pool's worker, a LaunchError reaches the caller whole."""
+    import pickle
+
+    with pytest.raises(LaunchError) as e:
+        launch_local(f"{HERE}:_target_exit", 1, 1, args=[3], initialize=False, timeout_s=30)
+    again = pickle.loads(pickle.dumps(e.value))
+    assert type(again) is LaunchError and str(again) == str(e.value)
+    assert again.results == e.value.results and again.results[0].returncode == 3
 
 
 def test_bad_arguments_are_rejected_with_the_value() -> None:

@@ -81,6 +81,11 @@ def collective_timeout_s() -> float:
     return seconds
 
 
+def _flush_stdout() -> None:
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+
+
 @contextmanager
 def watchdog(seconds: float) -> Iterator[None]:
     """Exits this process if the enclosed collective work takes over ``seconds``.
@@ -104,6 +109,11 @@ def watchdog(seconds: float) -> Iterator[None]:
             "other collectives in between, or is stuck.\n"
         )
         sys.stderr.flush()
+        # What the program printed before is kept too, but a stdout that cannot take
+        # it (its lock held, a full pipe) must not keep this process from ending.
+        flush = threading.Thread(target=_flush_stdout, daemon=True)
+        flush.start()
+        flush.join(1.0)
         os._exit(TIMEOUT_EXIT_CODE)
 
     timer = threading.Timer(seconds, give_up)

@@ -51,6 +51,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import math
 import os
 import runpy
 import signal
@@ -103,6 +104,10 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, results: list[ProcessResult]) -> None:
         super().__init__(message)
         self.results = results
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (out of a pool's worker, say) and copied with its results.
+        return (type(self), (str(self), self.results), self.__dict__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +163,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _hold_port(port: int, host: str = "127.0.0.1") -> socket.socket | None:
+    """A socket bound to ``port`` with ``SO_REUSEPORT``, never listening, or ``None``
+    where the port is taken already (or the platform lacks ``SO_REUSEPORT``).
+
+    While it is open, no other program's ``bind`` to port 0 gets this port, and a plain
+    ``bind`` to it fails; the coordinator's gRPC server, which binds with
+    ``SO_REUSEPORT``, still can. Without it, another launch (whose coordinator binds the
+    same way) could be handed the same port by ``free_port`` and bind it beside ours:
+    the kernel would then spread the processes of both launches over the two
+    coordinators, which abort both ("a different incarnation").
+    """
+    reuse = getattr(socket, "SO_REUSEPORT", None)
+    if reuse is None:
+        return None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, reuse, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 class _Terminated(BaseException):
     """A SIGTERM, raised in the launcher's main thread while it waits (see below)."""
 
@@ -200,7 +229,7 @@ def launch_local(
     check: bool = True,
     init_timeout_s: int = 30,
     heartbeat_timeout_s: int = 10,
-    shutdown_timeout_s: int = 10,
+    shutdown_timeout_s: int | None = None,
     peer_failure_grace_s: float = 5.0,
     cwd: str | os.PathLike[str] | None = None,
 ) -> list[ProcessResult]:
@@ -208,9 +237,11 @@ def launch_local(
 
     Each process gets ``devices_per_process`` simulated CPU devices, gloo collectives and
     the coordinator address of a free port on 127.0.0.1, so the processes together see
-    ``num_processes * devices_per_process`` global devices (``jax.devices()``). Should
-    another program take that port before process 0 binds it, the launch starts again
-    on another port (up to 3 ports, within ``timeout_s``); the target has not run then.
+    ``num_processes * devices_per_process`` global devices (``jax.devices()``). The
+    launcher holds that port for the launch (``_hold_port``). Should another program
+    take it before process 0 binds it, the launch starts again on another port (up to
+    3 ports, within ``timeout_s``; with ``initialize=True`` only: the launcher must see
+    the bind fail); the target has not run then.
 
     Args:
         target: what every process runs, one of: ``"pkg.module:function"`` or
@@ -233,7 +264,10 @@ def launch_local(
             wait for a peer that never arrives.
         heartbeat_timeout_s: ``jax.distributed`` heartbeat timeout: how long until a
             dead peer is declared dead.
-        shutdown_timeout_s: ``jax.distributed`` shutdown-barrier timeout at exit.
+        shutdown_timeout_s: ``jax.distributed`` shutdown-barrier timeout at exit: how
+            long a process that has finished waits for the others to finish (longer,
+            and the coordinator aborts them all). Default: ``timeout_s`` (rounded up),
+            so that processes of a run may finish any time apart within it.
         peer_failure_grace_s: after a process fails, how long the others may keep
             running (to report their own error) before the launcher kills them.
         cwd: working directory of the children (default: the current one).
@@ -272,6 +306,8 @@ def launch_local(
             "launch_local needs timeout_s > 0 and peer_failure_grace_s >= 0; got "
             f"timeout_s={timeout_s}, peer_failure_grace_s={peer_failure_grace_s}."
         )
+    if shutdown_timeout_s is None:
+        shutdown_timeout_s = max(1, math.ceil(min(timeout_s, 1e9)))
     seconds = {
         "init_timeout_s": init_timeout_s,
         "heartbeat_timeout_s": heartbeat_timeout_s,
@@ -323,19 +359,25 @@ def launch_local(
     # starts again on another port, within the same timeout.
     deadline = time.monotonic() + timeout_s
     for attempt in range(_PORT_ATTEMPTS):
-        results, port_taken = _launch_once(
-            target,
-            num_processes,
-            devices_per_process,
-            port=free_port(),
-            deadline=deadline,
-            args_json=args_json,
-            env=env,
-            initialize=initialize,
-            seconds=seconds,
-            peer_failure_grace_s=peer_failure_grace_s,
-            cwd=cwd,
-        )
+        port = free_port()
+        holder = _hold_port(port)  # (None: taken already; process 0 will find it so)
+        try:
+            results, port_taken = _launch_once(
+                target,
+                num_processes,
+                devices_per_process,
+                port=port,
+                deadline=deadline,
+                args_json=args_json,
+                env=env,
+                initialize=initialize,
+                seconds=seconds,
+                peer_failure_grace_s=peer_failure_grace_s,
+                cwd=cwd,
+            )
+        finally:
+            if holder is not None:
+                holder.close()
         if not port_taken or attempt + 1 == _PORT_ATTEMPTS or time.monotonic() >= deadline:
             break
     if check and not all(r.ok for r in results):
@@ -496,26 +538,41 @@ def _end_all(procs: Sequence[subprocess.Popen[bytes]], ended_at: dict[int, float
     the SIGKILL too, even when every child has exited.
     """
     groups = [p.pid for p in procs]
+    # A Ctrl-C or SIGTERM (raised here by `_SigtermUnwinds`) that arrives meanwhile ends
+    # the wait it interrupts, not the ending: the SIGKILL still goes to every group,
+    # and the interruption is raised once it has.
+    interrupted: BaseException | None = None
     for sig, wait_s in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, 5.0)):
-        live = [p for p in procs if p.poll() is None]
-        for pgid in groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-        t_end = time.monotonic() + wait_s
-        for p in live:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.0, t_end - time.monotonic()))
-        # Grandchildren are not ours to wait for: poll their groups until the grace ends.
-        alive = _groups_alive(groups)
-        while alive and time.monotonic() < t_end:
-            time.sleep(_POLL_S)
+        try:
+            _signal_groups(groups, sig)
+            t_end = time.monotonic() + wait_s
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=max(0.0, t_end - time.monotonic()))
+            # Grandchildren are not ours to wait for: poll their groups until the grace
+            # ends.
             alive = _groups_alive(groups)
-        if not alive and all(p.poll() is not None for p in procs):
-            break
+            while alive and time.monotonic() < t_end:
+                time.sleep(_POLL_S)
+                alive = _groups_alive(groups)
+            if not alive and all(p.poll() is not None for p in procs):
+                break
+        except (KeyboardInterrupt, _Terminated) as e:
+            interrupted = interrupted or e
+            if sig == signal.SIGKILL:  # (perhaps cut short while sending it)
+                _signal_groups(groups, signal.SIGKILL)
     now = time.monotonic()
     for pid, p in enumerate(procs):
         if p.poll() is not None:
             ended_at.setdefault(pid, now)
+    if interrupted is not None:
+        raise interrupted
+
+
+def _signal_groups(pgids: Sequence[int], sig: int) -> None:
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
 
 
 def _groups_alive(pgids: Sequence[int]) -> bool:
@@ -744,6 +801,8 @@ def _resolve_function(target: str) -> Any:
     where, _, name = target.rpartition(":")
     if where.endswith(".py"):
         path = Path(where).resolve()
+        # The file may import modules beside it, as it could run as a script.
+        sys.path.insert(0, str(path.parent))
         spec = importlib.util.spec_from_file_location(f"_reshard_launch_{path.stem}", path)
         if spec is None or spec.loader is None:
             raise ImportError(f"launch target file {str(path)!r} cannot be loaded")
@@ -788,6 +847,11 @@ def _child_main() -> None:
             Path(spec["result_path"]).write_text(json.dumps(value))
         elif target.endswith(".py"):
             sys.argv = [target, *map(str, args)]
+            # As `python script.py` does: the script's directory first on the path, in
+            # place of the bootstrap's (`-c`) current directory, where it has one.
+            if sys.path[:1] == [""]:
+                del sys.path[0]
+            sys.path.insert(0, str(Path(target).resolve().parent))
             runpy.run_path(target, run_name="__main__")
         else:
             sys.argv = [target, *map(str, args)]
