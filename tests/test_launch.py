@@ -602,6 +602,18 @@ def test_the_coordinators_port_is_held_for_the_launch() -> None:
         assert _launch._hold_port(taken.getsockname()[1]) is None
 
 
+def test_a_huge_stderr_line_is_cut_short_in_the_message() -> None:
+    results = [
+        _launch.ProcessResult(
+            process_id=0, returncode=1, stdout="", stderr="x" * 100_000 + "\nlast\n",
+            value=None, duration_s=1.0, terminated=False, timed_out=False,
+        )
+    ]  # fmt: skip
+    message = _launch._failure_message("t:f", results, 10.0)
+    assert "  | " + "x" * 500 + "... (100,000 characters)\n  | last" in message
+    assert len(message) < 1000
+
+
 def test_launch_errors_pickle_with_their_results() -> None:
     """Raised in a pool's worker, a LaunchError reaches the caller whole."""
     import pickle

@@ -628,7 +628,12 @@ def _failure_message(target: str, results: list[ProcessResult], timeout_s: float
     tail = first.stderr.strip().splitlines()[-25:]
     if tail:
         lines.append(f"stderr of process {first.process_id} (last lines):")
-        lines.extend("  | " + line for line in tail)
+        # (Each line cut short: one huge line would make the message unreadable; the
+        # whole stderr is in the error's results.)
+        lines.extend(
+            "  | " + (line if len(line) <= 500 else f"{line[:500]}... ({len(line):,} characters)")
+            for line in tail
+        )
     return "\n".join(lines)
 
 
