@@ -79,8 +79,9 @@ def reshard(
         for its ``SingleDeviceSharding``, as in ``jax.device_put``.
       donate: consume the sources once the whole pytree has been moved (they then
         read as deleted); an array keeping 1 MiB or more in device memory hands those
-        shards over without a copy. A failure frees nothing. An array sharing buffers
-        with a live array outside ``x`` that reshard made zero-copy (a
+        shards over without a copy. A failure frees nothing (but see the README on
+        a hand-over over several device sets that runs out of memory). An array
+        sharing buffers with a live array outside ``x`` that reshard made zero-copy (a
         ``may_alias=True`` output, a part of ``split_by_mesh_axis``, or what it came
         from) is left valid instead, and its output is a copy.
       may_alias: ``None`` copies shards that stay on their device (handing them over

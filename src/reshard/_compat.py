@@ -357,7 +357,9 @@ def prepare_donating_identity(arrays: list[jax.Array]) -> Callable[[], list[jax.
     donated) and returns the call that runs it. A caller donating on several device
     sets (one call each) compiles every program first, so that a failure to build one
     comes before any input is consumed; what can still fail after the first donation
-    is running an identity, which allocates nothing where XLA takes the donation.
+    is running an identity, which allocates nothing where XLA takes the donation, but
+    copies a buffer XLA does not own (a CPU buffer adopted from numpy: the host
+    executor's outputs), and may run out of memory there.
 
     One jitted function per signature (avals and shardings), in the bounded cache of
     compiled programs (``_programs``): one jitted function for everything would keep

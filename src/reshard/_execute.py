@@ -264,6 +264,17 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         )
         for i, arr in zip(host, placed, strict=True):
             out[i] = arr
+            # An output that shares the input's buffers (may_alias=True) is recorded as
+            # the planned ones are (below), so that donating the input later spares it.
+            v = values[i]
+            if (
+                may_alias is True
+                and not given
+                and isinstance(v, jax.Array)
+                and arr is not v
+                and _shares_a_buffer(_data(v), _data(arr))
+            ):
+                _sharing.note_shared(v, [arr])
 
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
@@ -296,9 +307,14 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             donated.setdefault(id(v), (v, data))
             # Asked for a copy, jax.device_put may still hand a buffer over (jax 0.10:
             # key arrays replicated onto more devices): what the output holds is kept.
+            # Only a buffer of the same shape is the input's own: jax 0.10 may also
+            # give a key array's shard a smaller buffer at the address of the input's
+            # replica (replicated -> sharded, GSPMDSharding), which stays valid when
+            # the input is deleted, and which re-homing would replace by the whole
+            # replica.
             if data.size:
                 held = _compat.buffer_keys(_data(out[i]))
-                kept.update(k for k in keys(v) if k in held)
+                kept.update(k for k, b in keys(v).items() if k in held and _same(held[k], b))
         # Outputs that may hold a donated buffer: those handed shards over.
         takers = [
             i
@@ -314,6 +330,15 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         if a and lp.reused:
             _sharing.note_shared(values[i], [out[i]])
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _same(a: jax.Array, b: jax.Array) -> bool:
+    """Whether two buffers at one address on one device are one buffer."""
+    return bool(a.shape == b.shape and a.dtype == b.dtype)
+
+
+def _shares_a_buffer(a: jax.Array, b: jax.Array) -> bool:
+    return not _compat.buffer_keys(a).keys().isdisjoint(_compat.buffer_keys(b).keys())
 
 
 # Donating, unchanged shards are handed over (not copied) where an array keeps at
