@@ -410,11 +410,11 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
     if not isinstance(src, Sharding):
         raise ValueError(f"leaf {where} has no jax.sharding.Sharding (got {src!r})")
     if _is_key(dtype):
-        dst_spec = dst.spec if isinstance(dst, NamedSharding) else None
-        if getattr(dst_spec, "reduced", None):
+        if _compat.reduced_axes(dst):
             # jax 0.10 cannot read such a key array's sharding (nor put one there).
+            spec = getattr(dst, "spec", dst)
             raise ValueError(
-                f"leaf {where}: a key array cannot take the destination spec {dst_spec}: "
+                f"leaf {where}: a key array cannot take the destination spec {spec}: "
                 "JAX holds no key arrays on a spec with reduced axes (jax.device_put "
                 "refuses it too); give a spec without them"
             )

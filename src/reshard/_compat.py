@@ -149,6 +149,13 @@ def unreduced_axes(sharding: Sharding) -> frozenset[Any]:
     return frozenset(getattr(spec, "unreduced", None) or ())
 
 
+def reduced_axes(sharding: Sharding) -> frozenset[Any]:
+    """The mesh axes a NamedSharding marks ``reduced``: copies of one value along
+    them, whose gradients are to be summed."""
+    spec = getattr(sharding, "spec", None)
+    return frozenset(getattr(spec, "reduced", None) or ())
+
+
 def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
     """Map from device id to the single-device array ``x`` holds there (this process)."""
     if USE_PRIVATE:

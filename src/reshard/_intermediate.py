@@ -22,6 +22,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
+from ._mesh_surgery import repeated_ids
 from ._split import shard_count, split_by_mesh_axis
 
 __all__ = [
@@ -121,8 +122,9 @@ def find_intermediate_sharding(
             f"in_sharding={in_sharding!r} and out_sharding={out_sharding!r}."
         )
     given = f"in_sharding={in_sharding!r}, out_sharding={out_sharding!r}"
-    for name, given_spec in (("in", in_sharding.spec), ("out", out_sharding.spec)):
-        if getattr(given_spec, "reduced", None) or getattr(given_spec, "unreduced", None):
+    for name, given_sharding in (("in", in_sharding), ("out", out_sharding)):
+        given_spec = given_sharding.spec
+        if _compat.reduced_axes(given_sharding) or _compat.unreduced_axes(given_sharding):
             # Such a spec also says how devices along some axes relate (copies to be
             # summed in the backward pass, or addends): the detour's replica split
             # would have to keep that, which the seed's rules do not cover.
@@ -198,8 +200,7 @@ def find_intermediate_sharding(
         else:
             kept_axes.append((axis, size, kind))
     names, sizes, kinds = zip(*(replica_axes + kept_axes), strict=True)
-    if len(set(names)) != len(names):
-        clash = sorted(n for n in set(names) if names.count(n) > 1)
+    if clash := repeated_ids(names):
         raise NoIntermediateShardingError(
             f"the intermediate mesh would name axes {clash} twice: the input mesh already "
             f"has an axis of that name. Got {given}."

@@ -105,8 +105,8 @@ def axis_position(axis_names: Sequence[Any], axis: Any, where: str) -> int:
     return names.index(axis)
 
 
-def repeated_ids(ids: Iterable[int]) -> list[int]:
-    """The ids that ``ids`` lists more than once, sorted."""
+def repeated_ids(ids: Iterable[Any]) -> list[Any]:
+    """What ``ids`` (device ids, mesh axis names) lists more than once, sorted."""
     return sorted(i for i, n in Counter(ids).items() if n > 1)
 
 
