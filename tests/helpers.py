@@ -167,3 +167,26 @@ def lower_bound_by_masks(shape: tuple[int, ...], itemsize: int, src: Any, dst: A
             need[src_index[dev]] = False
         total += int(need.sum())
     return total * itemsize
+
+
+def failing_identity_after(monkeypatch: Any, ran: list[int]) -> Any:
+    """Donating identities that run once, then raise (out of memory, as the copy of
+    a buffer XLA does not own can); ``ran`` gets each run's array count. Returns the
+    real ``prepare_donating_identity``."""
+    from reshard import _compat
+
+    real = _compat.prepare_donating_identity
+
+    def prepare(arrays: list[jax.Array]) -> Any:
+        run = real(arrays)
+
+        def go() -> Any:
+            ran.append(len(arrays))
+            if len(ran) > 1:
+                raise MemoryError("out of memory (injected)")
+            return run()
+
+        return go
+
+    monkeypatch.setattr(_compat, "prepare_donating_identity", prepare)
+    return real

@@ -65,6 +65,30 @@ def test_pool_is_bounded():
     assert disabled.cached_bytes == 0
 
 
+@pytest.mark.parametrize("limit", [1 << 20, 0], ids=["pool", "pool-off"])
+def test_on_lease_tells_memory_out_on_lease(monkeypatch, limit):
+    # What tells a donating hand-over which buffers XLA does not own: blocks out on
+    # lease (also with the pool off), and nothing once their last view is gone.
+    pool = HostPool(limit_bytes=limit)
+    monkeypatch.setattr(_buffers, "POOL", pool)
+    a, b = pool.take(4096), pool.take(100)
+    spans = pool.leased()
+    assert len(spans) == 2 and spans == sorted(spans)
+    for p, n in ((a.ctypes.data, a.nbytes), (b.ctypes.data, b.nbytes)):  # each in a block
+        assert [s for s in spans if s[0] <= p and p + n <= s[1]]
+    inside = [a.ctypes.data, a.ctypes.data + 4095, b.ctypes.data + 99]
+    assert all(_buffers.on_lease([p]) for p in inside)
+    outside = [spans[0][0] - 1, spans[1][1], 0]
+    assert not _buffers.on_lease(outside) and not _buffers.on_lease([])
+    assert _buffers.on_lease([*outside, inside[0]])
+    del a
+    gc.collect()
+    assert not _buffers.on_lease([inside[0]]) and _buffers.on_lease([inside[2]])
+    del b
+    gc.collect()
+    assert pool.leased() == []
+
+
 def test_repeated_reshards_reuse_memory_and_stay_exact():
     src = NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P("a"))
     dst = NamedSharding(Mesh(np.array(DEVS[4:8]), ("b",)), P(None, "b"))

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import check_result, place, pointers
+from helpers import check_result, failing_identity_after, place, pointers
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
-from reshard import _collective_executor, _local_executor
+from reshard import _buffers, _collective_executor, _compat, _local_executor
 
 DEVS = jax.devices()
 
@@ -393,6 +393,54 @@ def test_donating_arrays_on_one_device_set_in_two_orders(handover_all, executor)
     for k, v in out.items():
         check_result(v, truth, dst[k])
     assert {k: pointers(out[k])[DEVS[0]] for k in before} == before  # handed over
+
+
+def _executor_outputs():
+    """Two arrays the host executor made (a relayout each), on two device sets: their
+    buffers are host memory XLA adopted without owning it."""
+    truth = {"a": np.arange(8 * 8192, dtype=np.float32).reshape(8, 8192)}
+    truth["b"] = truth["a"] + 1
+    cols = {"a": sharding([0, 1, 2, 3], P(None, "a")), "b": sharding([4, 5, 6, 7], P(None, "a"))}
+    rows = {"a": sharding([0, 1, 2, 3]), "b": sharding([4, 5, 6, 7])}
+    x = {k: place(v, cols[k]) for k, v in truth.items()}
+    made = reshard.reshard(x, rows, executor="host")
+    assert all(_buffers.on_lease(pointers(v).values()) for v in made.values())
+    assert not any(_buffers.on_lease(pointers(v).values()) for v in x.values())
+    return made, truth, rows
+
+
+def test_donating_the_executors_outputs_on_two_device_sets(handover_all, monkeypatch):
+    # A donating identity copies the buffers XLA does not own (the CPU executors'
+    # outputs): run on the second device set after the first set's inputs were
+    # consumed, that copy running out of memory lost the first set's inputs. Such
+    # buffers are copied before anything is donated: no identity runs for them.
+    made, truth, rows = _executor_outputs()
+    ran: list[int] = []
+    real = failing_identity_after(monkeypatch, ran)
+    out = reshard.reshard(made, rows, donate=True)
+    assert ran == []
+    for k, v in out.items():
+        assert made[k].is_deleted()
+        check_result(v, truth[k], rows[k])
+    # Arrays XLA made (not from the executors) are still handed over, no copy.
+    ours = {k: place(v, rows[k]) for k, v in truth.items()}
+    before = {k: pointers(v) for k, v in ours.items()}
+    monkeypatch.setattr(_compat, "prepare_donating_identity", real)
+    out = reshard.reshard(ours, rows, donate=True)
+    assert {k: pointers(v) for k, v in out.items()} == before
+
+
+def test_a_failed_copy_of_the_executors_outputs_consumes_nothing(handover_all, monkeypatch):
+    made, truth, rows = _executor_outputs()
+
+    def fail(xs):
+        raise MemoryError("out of memory (injected)")
+
+    monkeypatch.setattr(_compat, "fresh_copies", fail)
+    with pytest.raises(MemoryError, match="injected"):
+        reshard.reshard(made, rows, donate=True)
+    for k, v in made.items():
+        check_result(v, truth[k], rows[k])
 
 
 @pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])

@@ -15,14 +15,14 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import pointers
+from helpers import failing_identity_after, pointers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
-from reshard import _split, concatenate_by_mesh_axis, split_by_mesh_axis
+from reshard import _buffers, _split, concatenate_by_mesh_axis, split_by_mesh_axis
 
 DEVICES = jax.devices()
 
@@ -579,6 +579,28 @@ def test_concatenate_copies_nothing_and_donates():
     assert all(p.is_deleted() for p in parts)
     assert pointers(joined) == before
     assert_array(joined, np.arange(32, dtype=np.float32).reshape(8, 4), x.sharding)
+
+
+def test_concatenating_the_executors_outputs_copies_them_before_consuming_any(monkeypatch):
+    # The host executor's outputs live in host memory XLA adopted, not owns: the
+    # donating identity of the second device set copied them after the first set's
+    # inputs were consumed, so running out of memory there lost those. They are
+    # copied with the rest before anything is consumed: no identity runs for them.
+    truth = np.arange(8 * 8192, dtype=np.float32).reshape(8, 8192)
+    meshes = [make_mesh((2, 2), ("stage", "tp"), ids) for ids in ([0, 1, 2, 3], [4, 5, 6, 7])]
+    parts = [
+        reshard.reshard(
+            put(half, mesh, P(None, "tp")), NamedSharding(mesh, P("stage", "tp")), executor="host"
+        )
+        for half, mesh in zip(np.split(truth, 2), meshes, strict=True)
+    ]
+    assert all(_buffers.on_lease(pointers(p).values()) for p in parts)
+    ran: list[int] = []
+    failing_identity_after(monkeypatch, ran)
+    joined = concatenate_by_mesh_axis(parts, "stage")
+    assert ran == [] and all(p.is_deleted() for p in parts)
+    mesh = make_mesh((4, 2), ("stage", "tp"), range(8))
+    assert_array(joined, truth, NamedSharding(mesh, P("stage", "tp")))
 
 
 def _two_parts(spec_left=None, spec_right=None, n_left=4, n_right=4):

@@ -23,7 +23,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -178,9 +178,20 @@ class HostPool:
         start = block.__array_interface__["data"][0]
         lease = _Lease(block, start + (-start) % ALIGN, nbytes)
         out = np.asarray(lease)
-        if self.limit:
-            self._out[weakref.ref(lease, self._returned)] = (key, block)
+        # Tracked even with the pool off (nothing is then filed back): ``on_lease``
+        # reads which host memory is out.
+        self._out[weakref.ref(lease, self._returned)] = (key, block)
         return out
+
+    def leased(self) -> list[tuple[int, int]]:
+        """The address ranges ``[start, end)`` of the blocks out on lease, sorted."""
+        while True:
+            try:  # a lease may go (a finalizer, in a collection) while this copies
+                blocks = [b for _, b in list(self._out.values())]
+                break
+            except RuntimeError:  # pragma: no cover - a race of a few instructions
+                continue
+        return sorted((b.ctypes.data, b.ctypes.data + b.nbytes) for b in blocks)
 
     def _returned(self, ref: weakref.ref[_Lease]) -> None:
         """Called as a lease goes (its last view with it), in whatever thread, maybe
@@ -222,6 +233,25 @@ class HostPool:
 
 
 POOL = HostPool()
+
+
+def on_lease(addresses: Iterable[int]) -> bool:
+    """Whether any of ``addresses`` (of JAX buffers) lies in a block out on lease: a
+    buffer the CPU executors filled on the host, which XLA adopted without owning it.
+    A donating program cannot take such a buffer over and copies it instead (it
+    allocates, so it can run out of memory), where it hands an owned one over as it
+    is; a caller donating on several device sets copies these first, before any
+    input is consumed."""
+    wanted = list(addresses)
+    if not wanted:
+        return False
+    spans = POOL.leased()
+    starts = [start for start, _ in spans]
+    for a in wanted:
+        i = bisect.bisect_right(starts, a) - 1
+        if i >= 0 and a < spans[i][1]:
+            return True
+    return False
 
 
 def release_host_buffers() -> int:

@@ -365,8 +365,9 @@ def prepare_donating_identity(arrays: list[jax.Array]) -> Callable[[], list[jax.
     sets (one call each) compiles every program first, so that a failure to build one
     comes before any input is consumed; what can still fail after the first donation
     is running an identity, which allocates nothing where XLA takes the donation, but
-    copies a buffer XLA does not own (a CPU buffer adopted from numpy: the host
-    executor's outputs), and may run out of memory there.
+    copies a buffer XLA does not own (a CPU buffer adopted from numpy), and may run
+    out of memory there. Callers copy such buffers of the CPU executors' outputs
+    beforehand (``_buffers.on_lease``); a user's own zero-copy arrays stay at risk.
 
     One jitted function per signature (avals and shardings), in the bounded cache of
     compiled programs (``_programs``): one jitted function for everything would keep
@@ -413,6 +414,13 @@ def copy_shards(xs: Sequence[jax.Array], shardings: Sequence[Sharding]) -> list[
         except Exception:  # pragma: no cover - fall through to the public path
             pass
     return list(jax.device_put(list(xs), list(shardings), may_alias=False))
+
+
+def fresh_copies(xs: Sequence[jax.Array]) -> list[jax.Array]:
+    """Copies of ``xs`` in new buffers, each on its own sharding (one batched call)."""
+    if not xs:
+        return []
+    return list(jax.device_put(list(xs), [x.sharding for x in xs], may_alias=False))
 
 
 def place_host_buffers(

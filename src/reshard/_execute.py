@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from . import _compat, _sharing
+from . import _buffers, _compat, _sharing
 from ._geometry import volume
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
@@ -494,7 +494,10 @@ def _donate(
     - Arrays linked by shared buffers (one array's output passed with it, say) cannot
       be donated one by one, since that would free a buffer under another: the
       outputs get copies of the kept buffers they share, and the arrays are deleted.
-      So do arrays no identity may run on (see ``_identity_may_run``).
+      So do arrays no identity may run on (see ``_identity_may_run``), and arrays
+      with kept buffers XLA does not own (``_buffers.on_lease``: an identity would
+      copy those anyway, and its allocation could fail after other device sets'
+      inputs were consumed).
 
     Every process reaches the same end (each input deleted), whatever sharing it sees
     in its own buffers. Nothing is deleted before every copy and identity has run, so
@@ -522,7 +525,10 @@ def _donate(
         if not any(k in kept for a in linked for k in found[a][2]):
             continue
         data = found[linked[0]][1]
-        if len(linked) == 1 and _identity_may_run(data.sharding, avoid):
+        # Buffers XLA does not own (the CPU executors' outputs) an identity would copy,
+        # allocating after earlier device sets' inputs were consumed: copied up front.
+        adopted = _buffers.on_lease(k[1] for a in linked for k in found[a][2] if k in kept)
+        if len(linked) == 1 and not adopted and _identity_may_run(data.sharding, avoid):
             # One identity per device assignment (jit takes no two device orders).
             by = _compat.ordered_devices(data.sharding) if _compat.USE_PRIVATE else (id(data),)
             rehome[by].append(linked[0])
@@ -535,10 +541,7 @@ def _donate(
         # The outputs' buffers, read before the identity invalidates the old handles.
         held = {i: _compat.buffer_keys(_data(out[i])) for i in outputs}
         if shared:
-            copies = jax.device_put(
-                list(shared.values()), [b.sharding for b in shared.values()], may_alias=False
-            )
-            remap.update(zip(shared, copies, strict=True))
+            remap.update(zip(shared, _compat.fresh_copies(list(shared.values())), strict=True))
         # Every identity's program first (one per device assignment), so that a
         # failure to build one comes before any array is donated.
         runs = [

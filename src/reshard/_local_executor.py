@@ -542,7 +542,7 @@ def run_device(
         all_parts.append(parts)
     if copy_at:
         to_copy = [all_parts[li][k] for li, k in copy_at]
-        copies = jax.device_put(to_copy, [b.sharding for b in to_copy], may_alias=False)
+        copies = _compat.fresh_copies(to_copy)
         for (li, k), c in zip(copy_at, copies, strict=True):
             all_parts[li][k] = c
     results = []

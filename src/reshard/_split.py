@@ -18,7 +18,8 @@ means donating the input to a jitted identity, which XLA answers by handing the 
 buffers to a fresh array and marking the input deleted; the parts are then built from
 that fresh array. (A buffer XLA does not own outright, such as one that still aliases
 the numpy array it was ``device_put`` from, is copied by that identity instead: still
-correct, just not free.) The parts are first built from the untouched inputs, so any
+correct, just not free. The CPU executors' outputs are such buffers; they are copied
+before any input is consumed, see ``_prepare_consume``.) The parts are first built from the untouched inputs, so any
 failure happens before an input is invalidated. Arrays in unpinned host memory are not
 consumed: XLA runs nothing on them (the donating call aborts the process, jax 0.10 on
 CPU), so they stay valid and the result aliases them, as without donation; nor are
@@ -43,7 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from . import _compat, _sharing
+from . import _buffers, _compat, _sharing
 from ._mesh_surgery import describe_grid
 
 __all__ = ["concatenate_by_mesh_axis", "split_by_mesh_axis"]
@@ -295,10 +296,18 @@ def _prepare_consume(arrays: Sequence[jax.Array]) -> Callable[[], list[jax.Array
     spared = _sharing.with_handles(spared, keys)
     rest = [a for a in donatable if id(a) not in spared]
     holders = collections.Counter(k for a in rest for k in keys[id(a)])
-    is_tied = {id(a): id(a) in linked or any(holders[k] > 1 for k in keys[id(a)]) for a in rest}
+    # Tied too: arrays over host buffers XLA does not own (the CPU executors' outputs),
+    # which a donating program would copy, allocating after other device sets'
+    # inputs were consumed (``_build_then_consume``): copied here, before any is.
+    is_tied = {
+        id(a): id(a) in linked
+        or any(holders[k] > 1 for k in keys[id(a)])
+        or _buffers.on_lease(k[1] for k in keys[id(a)])
+        for a in rest
+    }
     tied = [a for a in rest if is_tied[id(a)]]
     alone = [a for a in rest if not is_tied[id(a)]]
-    copies = jax.device_put(tied, [a.sharding for a in tied], may_alias=False) if tied else []
+    copies = _compat.fresh_copies(tied)
     donate: Callable[[], list[jax.Array]] = (
         _compat.prepare_donating_identity(alone) if alone else lambda: []
     )
