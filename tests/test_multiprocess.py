@@ -650,22 +650,33 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     def different_arguments_raise_on_every_process() -> None:
         # Process 0 asks for another layout than the others: a broken contract that
         # would hang in mismatched collectives. Every process raises instead, and all
-        # stay in step (the next reshard works).
+        # stay in step (the next reshard works). So does a schedule setting changed on
+        # process 1 alone (same arguments, programs that would not match).
         src = ns(devs[:half], ("f",), P("f"))
         x = make(a, src)
         kind = "pinned_host" if me == 0 else "device"
-        for dst in (
-            ns(devs[half:], ("t",), P("t") if me == 0 else P(None, "t")),  # layout
-            ns(devs[half:], ("t",), P(None, "t"), kind),  # memory kind only
+        same = ns(devs[half:], ("t",), P(None, "t"))
+        where, name = (
+            (_collective_host, "CHUNK_BYTES")
+            if _collective_executor.PACK_ON_HOST
+            else (_collective_device, "GROUP_BYTES")
+        )
+        setting = getattr(where, name)
+        for dst, changed in (
+            (ns(devs[half:], ("t",), P("t") if me == 0 else P(None, "t")), False),  # layout
+            (ns(devs[half:], ("t",), P(None, "t"), kind), False),  # memory kind only
+            (same, me == 1),  # a setting only
         ):
+            setattr(where, name, setting // 2 if changed else setting)
             try:
                 reshard.reshard(x, dst)
                 raise AssertionError("different arguments did not raise")
             except ValueError as e:
                 assert "different arguments on different processes" in str(e), e
                 assert "[1" in str(e), e  # names the processes that differ
+            finally:
+                setattr(where, name, setting)
         check(x, a, src)
-        same = ns(devs[half:], ("t",), P(None, "t"))
         check(reshard.reshard(x, same), a, same)
 
     def calls_in_another_order_raise_on_every_process() -> None:

@@ -185,8 +185,12 @@ class CollectiveProgram:
         self.leaves, keep, copies = all_copies(self.leaf_plans, self.position, alias)
         if group_bytes is None:
             group_bytes = device_packed.GROUP_BYTES
+        if pack_on_host is None:
+            pack_on_host = all(d.platform == "cpu" for d in self.devices)
         # What every process must agree on for the programs to match: devices, blocks,
-        # pieces and element types (``agree``; one process has nobody to agree with).
+        # pieces and element types, and the settings that shape the schedule (module
+        # constants a user may change on one process only) (``agree``; one process has
+        # nobody to agree with).
         self.fingerprint = b""
         if jax.process_count() > 1:
             what = (
@@ -196,7 +200,7 @@ class CollectiveProgram:
                 [str(d) for d in self.dtypes],
                 alias,
                 pack_on_host,
-                group_bytes,
+                host_packed.settings() if pack_on_host else group_bytes,
                 described,
             )
             self.fingerprint = hashlib.sha256(repr(what).encode()).digest()[:16]
@@ -210,8 +214,6 @@ class CollectiveProgram:
             else {}
             for lp, a in zip(self.leaf_plans, alias, strict=True)
         ]
-        if pack_on_host is None:
-            pack_on_host = all(d.platform == "cpu" for d in self.devices)
         self.host_packed = pack_on_host
         n = len(ids)
         # The stage that also sums every process's status (host-packed, several
@@ -452,7 +454,8 @@ def agree(program: CollectiveProgram) -> None:
             f"{' | '.join(map(str, groups.values()))} each building one. Every process must "
             "pass the same pytree, avals, source and destination shardings (built from "
             "the global jax.devices()), lost or avoided devices and options, in the same "
-            "order of calls"
+            "order of calls, with the same reshard settings (such as the sizes in "
+            "reshard._collective_host and _collective_device)"
         )
 
 

@@ -123,6 +123,24 @@ WHOLE_STAGE_BYTES = 16 * 2**20
 # launch each): the 40 MiB tree's relayout 0.87-1.01x the time over seven launches
 # (median 0.97x), the 288 MiB one's 0.98-1.05x over four; same layout unchanged.
 BUNDLED = True
+
+
+def settings() -> tuple[Any, ...]:
+    """The settings above, which shape the schedule: part of a program's fingerprint,
+    so that processes whose settings differ refuse together instead of waiting in
+    collectives that do not match."""
+    return (
+        CHUNK_BYTES,
+        STAGE_BYTES,
+        MIN_STAGES,
+        MIN_STAGE_BYTES,
+        WHOLE_BYTES,
+        WHOLE_ARRIVING_BYTES,
+        WHOLE_STAGE_BYTES,
+        BUNDLED,
+    )
+
+
 _unpacker: ThreadPoolExecutor | None = None
 
 
