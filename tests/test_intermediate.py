@@ -493,3 +493,21 @@ def test_tree_without_arrays_comes_back_as_it_is(x, donate):
     dst = sharding((4,), ("tp",), P(None, "tp"), ids=[4, 5, 6, 7])
     assert find_intermediate_sharding(src, dst)[1]  # the path with a split
     assert reshard_with_intermediate_sharding(x, src, dst, donate=donate) == x
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_input_sharding_on_an_abstract_mesh_goes_direct(spy, donate):
+    # jax.typeof(x).sharding of an explicitly sharded array is on an AbstractMesh,
+    # which names no devices to build the intermediate mesh from.
+    mesh = Mesh(np.array(DEVICES), ("fsdp",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("fsdp", None)))
+    src = jax.typeof(x).sharding
+    dst = NamedSharding(
+        Mesh(np.array(DEVICES[:4]), ("tp",), axis_types=(AxisType.Explicit,)), P(None, "tp")
+    )
+    with pytest.raises(NoIntermediateShardingError, match="abstract mesh"):
+        find_intermediate_sharding(src, dst)
+    out = reshard_with_intermediate_sharding(x, src, dst, donate=donate)
+    assert out.sharding == dst and len(spy) == 1
+    np.testing.assert_array_equal(np.asarray(out), np.arange(64.0).reshape(8, 8))
+    assert x.is_deleted() == donate

@@ -189,6 +189,14 @@ def find_intermediate_sharding(
         )
 
     mesh = in_sharding.mesh
+    if not isinstance(mesh, Mesh):
+        # (jax.typeof(x).sharding is such a one.) The intermediate mesh reshapes the
+        # input's devices, which an abstract mesh does not name.
+        raise NoIntermediateShardingError(
+            f"in_sharding is on the abstract mesh {mesh!r}; the intermediate sharding is "
+            f"built on the input's devices, so pass a NamedSharding over a concrete "
+            f"jax.sharding.Mesh (x.sharding, say). Got {given}."
+        )
     replica_axes: list[tuple[str, int, Any]] = []
     kept_axes: list[tuple[str, int, Any]] = []
     for axis, size, kind in zip(mesh.axis_names, mesh.devices.shape, mesh.axis_types, strict=True):
