@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
@@ -1000,3 +1000,15 @@ def test_example_runs_and_its_checks_pass():
         "all checks passed",
     ):
         assert line in out, (line, out)
+
+
+def test_grow_mesh_refuses_a_target_with_other_axis_types():
+    # Growing keeps the axis types: a target of other types would change how the
+    # arrays carried onto it are typed (Explicit against Auto), without a word.
+    explicit = (AxisType.Explicit,) * 2
+    small = Mesh(np.array(DEVICES[:4]).reshape(1, 4), ("data", "fsdp"), axis_types=explicit)
+    target = Mesh(np.array(DEVICES[:8]).reshape(2, 4), ("data", "fsdp"))
+    with pytest.raises(ValueError, match="axis types"):
+        reshard.grow_mesh(small, target, "data")
+    same = Mesh(np.array(DEVICES[:8]).reshape(2, 4), ("data", "fsdp"), axis_types=explicit)
+    assert reshard.grow_mesh(small, same, "data") is same

@@ -400,6 +400,11 @@ def check_grow_target(mesh: Mesh, target: Mesh, axis: str) -> None:
             f"grow_mesh: the target mesh has axis names {tuple(target.axis_names)}, the "
             f"current one {tuple(mesh.axis_names)}; build the target with the same axis names"
         )
+    if tuple(target.axis_types) != tuple(mesh.axis_types):
+        raise ValueError(
+            f"grow_mesh: the target mesh has axis types {tuple(target.axis_types)}, the "
+            f"current one {tuple(mesh.axis_types)}; build the target with the same axis types"
+        )
     a, b = mesh.devices.shape, target.devices.shape
     if a[:k] + a[k + 1 :] != b[:k] + b[k + 1 :] or b[k] < a[k]:
         raise ValueError(
