@@ -600,6 +600,11 @@ def test_plan_runs_on_an_equivalent_source_sharding():
         match=r"differ in their devices: the plan's are \[0, 1, 2, 3\], the array's \[1, 0, 2, 3\]$",
     ):
         p.execute(place(truth, sharding([1, 0, 2, 3])))
+    # Only the shape or dtype differs: the message does not blame the devices.
+    for wrong in (truth[:8], truth.astype(np.int32)):
+        with pytest.raises(ValueError, match="the plan was built for") as info:
+            p.execute(place(wrong, planned))
+        assert "differ in their devices" not in str(info.value)
 
 
 def test_plan_checks_leaves_placed_by_device_put(tree):

@@ -89,13 +89,11 @@ def _check_leaf(leaf: LeafInfo, v: Any) -> bool:
     if not isinstance(v, jax.Array):
         raise ValueError(f"leaf {where}: expected a jax.Array, got {type(v).__name__}")
     src = leaf.src_sharding
-    if (
-        tuple(v.shape) != leaf.shape
-        or v.dtype != leaf.dtype
-        or (v.sharding != src and not _equivalent(v.sharding, src, len(leaf.shape)))
-    ):
+    other_sharding = v.sharding != src and not _equivalent(v.sharding, src, len(leaf.shape))
+    if tuple(v.shape) != leaf.shape or v.dtype != leaf.dtype or other_sharding:
         order = ""
-        if str(src) == str(v.sharding):  # (a Mesh's text leaves out its devices)
+        # (a Mesh's text leaves out its devices)
+        if other_sharding and str(src) == str(v.sharding):
             order = (
                 f"; the two differ in their devices: the plan's are {_device_order(src)}, "
                 f"the array's {_device_order(v.sharding)}"
