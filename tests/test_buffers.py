@@ -89,6 +89,19 @@ def test_on_lease_tells_memory_out_on_lease(monkeypatch, limit):
     assert pool.leased() == []
 
 
+@pytest.mark.parametrize("value", ["abc", "1GiB"])
+def test_a_bad_pool_size_fails_the_first_use_not_the_import(monkeypatch, value):
+    monkeypatch.setenv("RESHARD_HOST_POOL_BYTES", value)
+    pool = HostPool()  # as at import: nothing read yet
+    with pytest.raises(ValueError, match=f"RESHARD_HOST_POOL_BYTES must be an integer.*{value}"):
+        pool.take(100)
+    assert pool.leased() == []
+    monkeypatch.setenv("RESHARD_HOST_POOL_BYTES", " ")  # blank: unset, 1 GiB
+    assert HostPool().limit == 1 << 30
+    monkeypatch.setenv("RESHARD_HOST_POOL_BYTES", "4096")
+    assert HostPool().limit == 4096
+
+
 def test_repeated_reshards_reuse_memory_and_stay_exact():
     src = NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P("a"))
     dst = NamedSharding(Mesh(np.array(DEVS[4:8]), ("b",)), P(None, "b"))

@@ -842,3 +842,27 @@ def test_fresh_arrays_are_new_objects_over_the_same_buffers() -> None:
     np.testing.assert_array_equal(
         np.asarray(jax.random.key_data(out["key"])), np.asarray(jax.random.key_data(tree["key"]))
     )
+
+
+def test_bench_runs_a_case_named_twice_once(tmp_path: Path) -> None:
+    suite = tmp_path / "fake_suite.py"
+    suite.write_text(textwrap.dedent(FAKE_SUITE))
+    out = run_json("bench", "--cases", "beta,beta", RESHARD_BENCH_MODULE=str(suite))
+    assert [r["scenario"] for r in out["rows"]] == ["beta"]
+
+
+@pytest.mark.parametrize("value", ["abc", "1GiB"])
+def test_a_bad_host_pool_size_is_a_usage_error_not_a_traceback(value: str) -> None:
+    """``RESHARD_HOST_POOL_BYTES`` is read on first use, not at import: a bad value
+    leaves ``import reshard`` and ``--help`` working, and a command says it in one line."""
+    res = run_cli("--help", RESHARD_HOST_POOL_BYTES=value)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    res = run_cli(
+        "plan", "--shape", "8", "--src-mesh", "2", "--dst-mesh", "2", RESHARD_HOST_POOL_BYTES=value
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "reshard plan: error: RESHARD_HOST_POOL_BYTES" in res.stderr and value in res.stderr
+    res = run_cli(
+        "plan", "--shape", "8", "--src-mesh", "2", "--dst-mesh", "2", RESHARD_HOST_POOL_BYTES=""
+    )  # empty: unset
+    assert res.returncode == 0, res.stderr

@@ -85,13 +85,22 @@ def row_item(dst: np.ndarray, src: np.ndarray) -> np.dtype | None:
     return None
 
 
-def _limit_from_env() -> int:
-    raw = os.environ.get("RESHARD_HOST_POOL_BYTES", str(1 << 30))
+def limit_from_env() -> int:
+    """The pool's bound from ``RESHARD_HOST_POOL_BYTES`` (unset or empty: 1 GiB).
+
+    Read when the pool is first used, not at import, so that a bad value does not
+    break ``import reshard`` (or ``reshard --help``).
+
+    Raises:
+      ValueError: the variable is set to something other than an integer.
+    """
+    raw = os.environ.get("RESHARD_HOST_POOL_BYTES", "").strip() or str(1 << 30)
     try:
         return max(0, int(raw))
     except ValueError:
         raise ValueError(
-            f"RESHARD_HOST_POOL_BYTES must be an integer number of bytes, got {raw!r}"
+            f"RESHARD_HOST_POOL_BYTES must be an integer number of bytes (0 turns the "
+            f"pool off), got {raw!r}"
         ) from None
 
 
@@ -122,7 +131,7 @@ class HostPool:
     """A bounded pool of warm, aligned host blocks, keyed by size."""
 
     def __init__(self, limit_bytes: int | None = None) -> None:
-        self.limit = _limit_from_env() if limit_bytes is None else limit_bytes
+        self._limit = limit_bytes  # None: from the environment, on first use
         self._free: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self._sizes: list[int] = []  # the keys of _free, sorted
         self._cached = 0
@@ -135,6 +144,12 @@ class HostPool:
         self._pending: list[tuple[int, np.ndarray]] = []
         self.hits = 0
         self.misses = 0
+
+    @property
+    def limit(self) -> int:
+        if self._limit is None:
+            self._limit = limit_from_env()
+        return self._limit
 
     @property
     def cached_bytes(self) -> int:
@@ -157,7 +172,14 @@ class HostPool:
         del self._sizes[bisect.bisect_left(self._sizes, key)]
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A writable, 64-byte aligned uint8 array of ``nbytes`` (warm when possible)."""
+        """A writable, 64-byte aligned uint8 array of ``nbytes`` (warm when possible).
+
+        Raises:
+          ValueError: ``RESHARD_HOST_POOL_BYTES`` is not an integer (read on first use).
+        """
+        # Read here (once): a bad setting fails the call that uses the pool, not the
+        # finalizer that gives a block back later.
+        _ = self.limit
         key = max(nbytes, 1)
         block = None
         with self._lock:

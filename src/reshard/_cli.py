@@ -274,6 +274,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         prog = f"reshard {args.command}"
+        try:  # read by the CPU executor: a bad value is a usage error, not a traceback
+            from ._buffers import limit_from_env
+
+            limit_from_env()
+        except ValueError as e:
+            raise UsageError(
+                f"{e}; set it like RESHARD_HOST_POOL_BYTES=1073741824, or unset it"
+            ) from None
         code = int(args.run(args, console()))
         out.flush()  # a closed pipe shows here at the latest, not at the interpreter's exit
         return code

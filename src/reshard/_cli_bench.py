@@ -185,7 +185,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
     known = getattr(module, "SCENARIOS", None)
     cases = None
     if args.cases is not None:
-        cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
+        # Each case once, in the order given (a repeated name would run it again).
+        cases = tuple(dict.fromkeys(c.strip() for c in args.cases.split(",") if c.strip()))
         if not cases:
             examples = f", e.g. --cases {known[0]}" if known else ""
             raise UsageError(f"--cases names no case ({args.cases!r}){examples}")
