@@ -89,7 +89,7 @@ def test_on_lease_tells_memory_out_on_lease(monkeypatch, limit):
     assert pool.leased() == []
 
 
-@pytest.mark.parametrize("value", ["abc", "1GiB"])
+@pytest.mark.parametrize("value", ["abc", "1GiB", "-1"])
 def test_a_bad_pool_size_fails_the_first_use_not_the_import(monkeypatch, value):
     monkeypatch.setenv("RESHARD_HOST_POOL_BYTES", value)
     pool = HostPool()  # as at import: nothing read yet

@@ -92,16 +92,19 @@ def limit_from_env() -> int:
     break ``import reshard`` (or ``reshard --help``).
 
     Raises:
-      ValueError: the variable is set to something other than an integer.
+      ValueError: the variable is set to something other than an integer >= 0.
     """
     raw = os.environ.get("RESHARD_HOST_POOL_BYTES", "").strip() or str(1 << 30)
     try:
-        return max(0, int(raw))
+        value = int(raw)
     except ValueError:
+        value = -1
+    if value < 0:
         raise ValueError(
-            f"RESHARD_HOST_POOL_BYTES must be an integer number of bytes (0 turns the "
-            f"pool off), got {raw!r}"
-        ) from None
+            f"RESHARD_HOST_POOL_BYTES must be an integer number of bytes, 0 or more (0 "
+            f"turns the pool off), got {raw!r}"
+        )
+    return value
 
 
 class _Lease:

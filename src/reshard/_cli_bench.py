@@ -162,7 +162,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``reshard bench``."""
     from ._cli import positive_int, size_mb
 
-    p.add_argument("--size-mb", type=size_mb, help="size of the trees (suite default)")
+    p.add_argument(
+        "--size-mb",
+        type=size_mb,
+        help="size of the LLM-shaped trees (suite default; the built-in suite's "
+        "leaves and narrow cases keep their fixed sizes)",
+    )
     p.add_argument("--repeats", type=positive_int, help="timed repetitions (suite default)")
     p.add_argument("--cases", help="comma-separated cases to run, e.g. disjoint,relayout")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
