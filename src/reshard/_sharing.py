@@ -82,9 +82,15 @@ def _add(a: Any, group: _Group) -> None:
 def _merge(a: _Group, b: _Group) -> _Group:
     """One group of the members of both (the smaller moves)."""
     big, small = (a, b) if len(a.members) >= len(b.members) else (b, a)
-    for key, (ref, devices) in list(small.members.items()):
-        if ref() is None:
+    # The keys first, then each entry still there: an array going in a collection
+    # leaves its group without the lock (see _forget), and a collection may start at
+    # any allocation, such as one of the (key, value) pairs ``items()`` would make
+    # while it iterates ("dictionary changed size during iteration").
+    for key in tuple(small.members):
+        entry = small.members.get(key)
+        if entry is None or entry[0]() is None:
             continue
+        ref, devices = entry
         big.members[key] = (ref, devices)
         for d in devices:
             big.on.setdefault(d, set()).add(key)
