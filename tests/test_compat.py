@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import check_result, place, pointers
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
@@ -155,6 +155,44 @@ def test_donating_an_array_that_partly_stays_is_the_same_either_way(
     assert y.committed
     if private:  # (the public path cannot set device_put's aval)
         assert y.aval == jax.device_put(place(truth, src), dst).aval
+
+
+@pytest.mark.parametrize(
+    "missing", ["USE_PRIVATE", "_update_dp_aval", "_ArrayImpl", "_ShapedArray"]
+)
+@pytest.mark.parametrize("executor", ["host", "device", "collective"])
+def test_outputs_are_committed_whichever_internal_is_missing(monkeypatch, missing, executor):
+    # An uncommitted input's batched copy is uncommitted, and only the private path
+    # committed it: without it a later jax.jit moved the output to the default device.
+    if missing == "USE_PRIVATE":
+        monkeypatch.setattr(_compat, "USE_PRIVATE", False)
+    else:
+        monkeypatch.setattr(_compat, missing, None)
+    x = jax.numpy.arange(8, dtype=np.int32)
+    assert not x.committed
+    dst = SingleDeviceSharding(DEVS[2])
+    y = reshard.reshard(x, dst, executor=executor)
+    check_result(y, np.arange(8, dtype=np.int32), dst)
+    assert y.committed and jax.jit(lambda a: a * 2)(y).devices() == {DEVS[2]}
+    assert not x.is_deleted()
+
+
+@pytest.mark.parametrize("executor", ["host", "device", "collective"])
+def test_paths_that_trust_jax_device_order_stand_down_without_it(monkeypatch, executor):
+    # Were sharding._device_assignment gone (a future JAX), ordered_devices would fall
+    # back to id order, while x._arrays and the batched put/copy keep JAX's own: those
+    # private paths then put shards on the wrong devices (wrong values), so they stand
+    # down for the public ones.
+    monkeypatch.setattr(
+        _compat, "ordered_devices", lambda s: tuple(sorted(s.device_set, key=lambda d: d.id))
+    )
+    monkeypatch.setattr(_compat, "_assignment_known", lambda s: False)
+    src = NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P("a"))
+    dst = NamedSharding(Mesh(np.array(DEVS[4:8][::-1]), ("a",)), P("a"))
+    truth = np.arange(16, dtype=np.float32).reshape(8, 2)
+    x = place(truth, src)
+    check_result(reshard.reshard(x, dst, executor=executor), truth, dst)
+    check_result(x, truth, src)
 
 
 def test_with_buffers_keeps_everything_but_the_buffers(private):

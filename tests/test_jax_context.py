@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
-from reshard import _collective_executor
+from reshard import _collective_executor, _compat
 
 DEVICES = jax.devices()
 WORLD = Mesh(np.array(DEVICES).reshape(2, 4), ("data", "model"))
@@ -98,9 +98,16 @@ def test_split_and_concatenate_in_any_context(context: str) -> None:
     check_result(back, truth, NamedSharding(WORLD, P("data", "model")))
 
 
-def test_reshard_moves_are_explicit_transfers(capfd: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("scope", ["found", "missing"])
+def test_reshard_moves_are_explicit_transfers(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, scope: str
+) -> None:
     """Under ``transfer_guard("log")``, ``jax.device_put`` logs nothing; nor does reshard
-    (its host buffers put on devices are explicit transfers, as device_put's are)."""
+    (its host buffers put on devices are explicit transfers, as device_put's are), also
+    where JAX's explicit-transfer scope is not found (a future JAX): the private batched
+    put, which it made explicit, then stands down for ``jax.device_put``."""
+    if scope == "missing":
+        monkeypatch.setattr(_compat, "_explicit_put_scope", None)
     truth = _special_values(np.float32)
     x = place(truth, NamedSharding(WORLD, P("data")))
     dst = NamedSharding(HALF, P(None, "model"))

@@ -114,6 +114,14 @@ def ordered_devices(sharding: Sharding) -> tuple[Any, ...]:
     return tuple(sorted(sharding.device_set, key=lambda d: d.id))
 
 
+def _assignment_known(sharding: Sharding) -> bool:
+    """Whether ``ordered_devices(sharding)`` is JAX's own device assignment, the order
+    of an array's ``_arrays`` and of what ``batched_device_put``/``batched_copy``
+    (``_skip_checks``) take. Without it (the attribute gone) that order is a guess,
+    and the private paths that trust it would put buffers on the wrong positions."""
+    return getattr(sharding, "_device_assignment", None) is not None
+
+
 def addressable_devices(sharding: Sharding) -> tuple[Any, ...]:
     """The devices of ``sharding`` this process can address, in ``ordered_devices`` order."""
     return _addressable_devices(sharding, USE_PRIVATE)
@@ -158,7 +166,7 @@ def reduced_axes(sharding: Sharding) -> frozenset[Any]:
 
 def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
     """Map from device id to the single-device array ``x`` holds there (this process)."""
-    if USE_PRIVATE:
+    if USE_PRIVATE and _assignment_known(x.sharding):
         arrays = getattr(x, "_arrays", None)
         if arrays is not None:
             devs = addressable_devices(x.sharding)
@@ -204,13 +212,21 @@ def assemble(
     ``buffers`` may be numpy arrays (placed zero-copy on CPU when 64-byte aligned) or
     single-device ``jax.Array``s already on their device (used as they are).
     """
-    if (
-        USE_PRIVATE
+    aval = (
+        device_put_aval(shape, dtype, sharding)
+        if USE_PRIVATE
         and _batched_device_put is not None
+        # (Without the explicit scope its host buffers would be implicit transfers,
+        # logged or refused by jax.transfer_guard: jax.device_put's are explicit.)
+        and _explicit_put_scope is not None
         and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    ):
+        and _assignment_known(sharding)
+        else None
+    )
+    # (Without device_put's aval, the public path's is better than a bare ShapedArray:
+    # make_array_from_single_device_arrays gives it the sharding's mesh and memory.)
+    if aval is not None:
         try:
-            aval = device_put_aval(shape, dtype, sharding) or _ShapedArray(shape, dtype)
             return _batched_device_put(aval, sharding, list(buffers), list(devices))
         except Exception:  # pragma: no cover - fall through to the public path
             pass
@@ -253,10 +269,23 @@ def finish(x: jax.Array, aval: Any, fresh: bool) -> jax.Array:
     ``fresh``: ``x`` was made for this call alone, so its ``aval`` may be set in place
     (~0.05 us, against ~4 us for a new array object).
 
-    Without the internals ``x`` comes back as it is: JAX has no public way to mark an
-    array weakly typed, the one fallback that changes a result.
+    Without the internals ``x`` comes back over the same buffers, committed, with the
+    abstract value it has: JAX has no public way to mark an array weakly typed (nor,
+    for a ``SingleDeviceSharding`` in a host memory kind, to give it a host memory
+    space), the fallbacks that change a result.
     """
-    if aval is None or (x.committed and x.aval == aval) or _ArrayImpl is None:
+    if aval is None or _ArrayImpl is None:
+        # Without the internals: committed through jax.device_put to the array's own
+        # sharding (zero-copy: the new array holds the same buffers), else a later
+        # jax.jit would move an uncommitted copy (PjRt's batched copy makes those) to
+        # the default device; the aval set in place where there is one to set.
+        if not x.committed:
+            x, fresh = jax.device_put(x, x.sharding), True
+        if aval is not None and x.aval != aval and fresh:
+            with contextlib.suppress(Exception):
+                x.aval = aval  # type: ignore[misc]
+        return x
+    if x.committed and x.aval == aval:
         return x
     if fresh and x.committed:
         try:
@@ -407,7 +436,11 @@ def copy_shards(xs: Sequence[jax.Array], shardings: Sequence[Sharding]) -> list[
     """
     if not xs:
         return []
-    if USE_PRIVATE and _batched_copy is not None:
+    if (
+        USE_PRIVATE
+        and _batched_copy is not None
+        and all(_assignment_known(s) for s in (*shardings, *(x.sharding for x in xs)))
+    ):
         try:
             devices = [s._internal_device_list.addressable_device_list for s in shardings]
             return list(_batched_copy(list(xs), devices, list(shardings), [_ALWAYS_COPY] * len(xs)))
