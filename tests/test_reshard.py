@@ -290,6 +290,46 @@ def test_device_packed_runs_in_groups_that_bound_placeholders(monkeypatch):
             check_result(y[k], v, dst)
 
 
+def test_device_packed_frees_the_output_blocks_off_the_destination(monkeypatch):
+    # The SPMD program gives every device of the union an output block per array, the
+    # size of a destination shard: garbage off the destination (the trainer devices of
+    # a trainer -> sampler sync). Kept for every group until the end, they came to as
+    # much again as the trainer devices' own share; now each group's go once its
+    # program is done. Measured when the results are assembled, after the last group.
+    from reshard import _collective_device, _collective_executor
+
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", False)
+    monkeypatch.setattr(_collective_device, "GROUP_BYTES", 1 << 16)  # a group per array
+    truth = [np.full((256, 256), i, np.float32) for i in range(6)]  # 256 KiB each
+    src = NamedSharding(mesh1([0, 1, 2, 3]), P("a"))
+    dst = NamedSharding(mesh1([4, 5, 6, 7]), P(None, "a"))
+    x = [place(v, src) for v in truth]
+
+    def bytes_on(ids):
+        found = {}
+        for a in jax.live_arrays():
+            for sh in a.addressable_shards:
+                if sh.device.id in ids:
+                    found[(sh.device.id, sh.data.unsafe_buffer_pointer())] = sh.data.nbytes
+        return sum(found.values())
+
+    before = bytes_on({0, 1, 2, 3})
+    seen = []
+    real = _collective_device.assemble
+
+    def spy(program, li, *args):
+        if li == 0:
+            jax.block_until_ready(jax.live_arrays())
+            seen.append((len(program.groups), bytes_on({0, 1, 2, 3}) - before))
+        return real(program, li, *args)
+
+    monkeypatch.setattr(_collective_device, "assemble", spy)
+    y = reshard.reshard(x, [dst] * len(x), executor="collective")
+    assert seen == [(6, 0)]
+    for v, t in zip(y, truth, strict=True):
+        check_result(v, t, dst)
+
+
 def test_identity_moves_nothing_and_copies_unless_asked_to_alias():
     """Nothing crosses devices; the result is still a copy (as from Pathways), so a
     consumer that donates the result cannot free the input, nor the reverse."""

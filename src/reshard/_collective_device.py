@@ -265,17 +265,35 @@ def block_inputs(
     ]
 
 
+def kept_blocks(
+    program: CollectiveProgram, li: int, out: jax.Array, sharding: jax.sharding.Sharding
+) -> dict[int, jax.Array]:
+    """The output blocks of leaf ``li`` that ``assemble`` uses: those of this process's
+    destination devices that are not handed a source shard. Every other device of the
+    union mesh also gets an output block from the SPMD program (garbage, as large as a
+    destination shard); dropping them as each group's program is dispatched frees them
+    when it finishes, instead of holding every group's until the last one has run (on a
+    disjoint trainer -> sampler sync, as much again as a trainer device's share)."""
+    reused = program.reused[li]
+    bufs = _compat.device_buffers(out)
+    return {
+        d.id: bufs[d.id]
+        for d in _compat.addressable_devices(sharding)
+        if program.position[d.id] not in reused
+    }
+
+
 def assemble(
     program: CollectiveProgram,
     li: int,
     src: jax.Array,
-    out: jax.Array | None,
+    out_bufs: dict[int, jax.Array],
     sharding: jax.sharding.Sharding,
 ) -> jax.Array:
-    """The destination array of leaf ``li`` from its output blocks (and reused shards)."""
+    """The destination array of leaf ``li`` from its output blocks (``kept_blocks``)
+    and reused shards."""
     reused = program.reused[li]
     src_bufs = _compat.device_buffers(src) if reused else {}
-    out_bufs = _compat.device_buffers(out) if out is not None else {}
     parts: list[jax.Array] = []
     devs = list(_compat.addressable_devices(sharding))
     mk = sharding.memory_kind
@@ -323,13 +341,10 @@ def run_device_packed(
     all-reduce per group, and waiting for the inputs to be ready (an error in making
     them surfaces only then), so such a reshard returns once its inputs exist.
     """
-    outputs: list[jax.Array | None] = [None] * len(sources)
-    moved: Sequence[jax.Array] = ()
+    outputs: list[dict[int, jax.Array]] = [{} for _ in sources]
     # A process that holds no device of the union has nothing to send or keep.
-    for gi, group in enumerate(program.groups if program.local_devices else []):
-        # The previous group's placeholders are freed only once its program is done:
-        # wait for that before making more, or every group's would be alive at once.
-        jax.block_until_ready(moved)
+    groups = program.groups if program.local_devices else []
+    for gi, group in enumerate(groups):
         if jax.process_count() == 1:
             inputs = block_inputs(program, sources, group)
         else:
@@ -350,10 +365,13 @@ def run_device_packed(
             common.check_status(status, "while preparing their inputs")
         moved = program.compiled(gi)(*inputs)
         del inputs  # the placeholders go once the program is done with them
-        if wait:
+        if wait or gi + 1 < len(groups):
+            # The placeholders are freed only once the program is done: wait for that
+            # before the next group makes more, or every group's would be alive at once.
             jax.block_until_ready(moved)
         for li, out in zip(group, moved, strict=True):
-            outputs[li] = out
+            outputs[li] = kept_blocks(program, li, out, shardings[li])
+        del moved, out  # the other output blocks (garbage) go now
     return [
         assemble(program, li, src, out, sharding)
         for li, (src, out, sharding) in enumerate(zip(sources, outputs, shardings, strict=True))
