@@ -232,7 +232,11 @@ def check_status(status: jax.Array | None, when: str) -> None:
     (their counts of calls differ) or processes that failed ``when``."""
     if status is None:
         return
-    everyone = np.asarray(status.addressable_shards[0].data)
+    # jax.device_get, not np.asarray: on an accelerator reading a device buffer is a
+    # device-to-host transfer, implicit for np.asarray (refused under
+    # jax.transfer_guard('disallow')), explicit for device_get. (On CPU np.asarray is a
+    # zero-copy view, which no guard sees.)
+    everyone = np.asarray(jax.device_get(status.addressable_shards[0].data))
     count = len(everyone) // 2
     entries, words = everyone[:count], everyone[count:]
     calls = {p: int(v) >> 2 for p, v in enumerate(entries) if v}

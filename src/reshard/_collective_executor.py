@@ -527,7 +527,7 @@ def _gather(mine: np.ndarray, devices: Sequence[Any]) -> np.ndarray:
     x = jax.make_array_from_single_device_arrays(
         (len(devices) * mine.size,), sharding, [jax.device_put(mine.ravel(), local)]
     )
-    return np.asarray(fn(x).addressable_shards[0].data)
+    return np.asarray(jax.device_get(fn(x).addressable_shards[0].data))  # (see check_status)
 
 
 def _platform(shardings: Sequence[jax.sharding.Sharding]) -> str | None:
