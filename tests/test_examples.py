@@ -89,3 +89,20 @@ def test_elastic_guide_snippets_run_as_written():
     assert "[(\"['opt']\", ((8, 12),))]" in res.stdout, res.stdout
     assert "avoiding:    devices [4, 5]" in res.stdout, res.stdout
     assert res.stdout.rstrip().endswith("loss 28.0"), res.stdout
+
+
+def test_the_accelerator_check_passes_on_cpu():
+    # benchmarks/gpu_check.py is what a session with a GPU runs (no GPU here): it runs
+    # on one CPU device too, without its timing table, so that it cannot rot unnoticed.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(GPU_CHECK_NO_TIMING="1", JAX_PLATFORMS="cpu")
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    assert res.stdout.rstrip().endswith("RESULT: PASS"), res.stdout[-3000:]
+    assert " 0 failed " in res.stdout and "FAIL " not in res.stdout, res.stdout[-3000:]
