@@ -169,17 +169,28 @@ def worker_single(full: bool, reps: int) -> dict[str, Any]:
     from reshard import _collective_executor
 
     tree, dst = _tree(full)
-    times: dict[str, list[float]] = {}
+
+    def run_with(p: Any, pack: bool | None) -> Any:
+        # The packing is chosen when a call looks its program up: set it every call,
+        # since the methods are timed in turn.
+        def call(t: Any) -> Any:
+            _collective_executor.PACK_ON_HOST = pack
+            return p.execute(t)
+
+        return call
+
+    fns: dict[str, tuple[Any, Any]] = {}
     for name, executor, pack in (
         ("local executor (host)", "host", None),
         ("collective, host-packed", "collective", True),
         ("collective, device-packed", "collective", False),
     ):
-        _collective_executor.PACK_ON_HOST = pack
         p = reshard.plan(tree, dst, executor=executor)
-        _verify(p.execute(tree), full)
-        times.update(_time({name: (p.execute, tree)}, reps))
-    times.update(_time({"jax.device_put": (lambda t: jax.device_put(t, dst), tree)}, reps))
+        fns[name] = (run_with(p, pack), tree)
+        _verify(fns[name][0](tree), full)
+    fns["jax.device_put"] = (lambda t: jax.device_put(t, dst), tree)
+    times = _time(fns, reps)  # in turn, order rotating, as the 2-process table
+    _collective_executor.PACK_ON_HOST = None
     return {"times": times, "bytes_moved": reshard.plan(tree, dst).stats.bytes_moved}
 
 
@@ -422,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the one-process table (collective vs local executor)",
     )
     args = parser.parse_args(argv)
+    if args.reps < 1 or args.launches < 1:
+        parser.error("--reps and --launches must be at least 1")
 
     from reshard._launch import launch_local
 
