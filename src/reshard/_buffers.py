@@ -23,7 +23,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -203,7 +203,7 @@ class HostPool:
         start = block.__array_interface__["data"][0]
         lease = _Lease(block, start + (-start) % ALIGN, nbytes)
         out = np.asarray(lease)
-        # Tracked even with the pool off (nothing is then filed back): ``on_lease``
+        # Tracked even with the pool off (nothing is then filed back): ``lease_test``
         # reads which host memory is out.
         self._out[weakref.ref(lease, self._returned)] = (key, block)
         return out
@@ -260,23 +260,30 @@ class HostPool:
 POOL = HostPool()
 
 
-def on_lease(addresses: Iterable[int]) -> bool:
-    """Whether any of ``addresses`` (of JAX buffers) lies in a block out on lease: a
-    buffer the CPU executors filled on the host, which XLA adopted without owning it.
-    A donating program cannot take such a buffer over and copies it instead (it
-    allocates, so it can run out of memory), where it hands an owned one over as it
-    is; a caller donating on several device sets copies these first, before any
-    input is consumed."""
-    wanted = list(addresses)
-    if not wanted:
-        return False
+def lease_test() -> Callable[[Iterable[int]], bool]:
+    """A test of JAX buffer addresses against the blocks out on lease now (one sorted
+    snapshot, so that a caller testing many arrays sorts the leases once): whether any
+    of them lies in such a block, i.e. is a buffer the CPU executors filled on the
+    host, which XLA adopted without owning it. A donating program cannot take such a
+    buffer over and copies it instead (it allocates, so it can run out of memory),
+    where it hands an owned one over as it is; a caller donating on several device
+    sets copies these first, before any input is consumed."""
     spans = POOL.leased()
     starts = [start for start, _ in spans]
-    for a in wanted:
-        i = bisect.bisect_right(starts, a) - 1
-        if i >= 0 and a < spans[i][1]:
-            return True
-    return False
+
+    def test(addresses: Iterable[int]) -> bool:
+        for a in addresses:
+            i = bisect.bisect_right(starts, a) - 1
+            if i >= 0 and a < spans[i][1]:
+                return True
+        return False
+
+    return test
+
+
+def on_lease(addresses: Iterable[int]) -> bool:
+    """``lease_test()(addresses)``, for one test."""
+    return lease_test()(addresses)
 
 
 def release_host_buffers() -> int:

@@ -396,7 +396,7 @@ def prepare_donating_identity(arrays: list[jax.Array]) -> Callable[[], list[jax.
     is running an identity, which allocates nothing where XLA takes the donation, but
     copies a buffer XLA does not own (a CPU buffer adopted from numpy), and may run
     out of memory there. Callers copy such buffers of the CPU executors' outputs
-    beforehand (``_buffers.on_lease``); a user's own zero-copy arrays stay at risk.
+    beforehand (``_buffers.lease_test``); a user's own zero-copy arrays stay at risk.
 
     One jitted function per signature (avals and shardings), in the bounded cache of
     compiled programs (``_programs``): one jitted function for everything would keep

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 from typing import Any
 
 import jax
@@ -493,7 +493,7 @@ def _donate(
       be donated one by one, since that would free a buffer under another: the
       outputs get copies of the kept buffers they share, and the arrays are deleted.
       So do arrays no identity may run on (see ``_identity_may_run``), and arrays
-      with kept buffers XLA does not own (``_buffers.on_lease``: an identity would
+      with kept buffers XLA does not own (``_buffers.lease_test``: an identity would
       copy those anyway, and its allocation could fail after other device sets'
       inputs were consumed).
 
@@ -519,13 +519,15 @@ def _donate(
         members[root(a)].append(a)
     rehome: dict[tuple[Any, ...], list[int]] = collections.defaultdict(list)
     shared: dict[Key, jax.Array] = {}  # kept buffers of linked arrays, to copy
+    on_lease: Callable[[Iterable[int]], bool] | None = None
     for linked in members.values():
         if not any(k in kept for a in linked for k in found[a][2]):
             continue
         data = found[linked[0]][1]
         # Buffers XLA does not own (the CPU executors' outputs) an identity would copy,
         # allocating after earlier device sets' inputs were consumed: copied up front.
-        adopted = _buffers.on_lease(k[1] for a in linked for k in found[a][2] if k in kept)
+        on_lease = on_lease or _buffers.lease_test()
+        adopted = on_lease(k[1] for a in linked for k in found[a][2] if k in kept)
         if len(linked) == 1 and not adopted and _identity_may_run(data.sharding, avoid):
             # One identity per device assignment (jit takes no two device orders).
             by = _compat.ordered_devices(data.sharding) if _compat.USE_PRIVATE else (id(data),)

@@ -299,10 +299,11 @@ def _prepare_consume(arrays: Sequence[jax.Array]) -> Callable[[], list[jax.Array
     # Tied too: arrays over host buffers XLA does not own (the CPU executors' outputs),
     # which a donating program would copy, allocating after other device sets'
     # inputs were consumed (``_build_then_consume``): copied here, before any is.
+    on_lease = _buffers.lease_test()
     is_tied = {
         id(a): id(a) in linked
         or any(holders[k] > 1 for k in keys[id(a)])
-        or _buffers.on_lease(k[1] for k in keys[id(a)])
+        or on_lease(k[1] for k in keys[id(a)])
         for a in rest
     }
     tied = [a for a in rest if is_tied[id(a)]]
