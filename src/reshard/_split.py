@@ -19,10 +19,10 @@ buffers to a fresh array and marking the input deleted; the parts are then built
 that fresh array. (A buffer XLA does not own outright, such as one that still aliases
 the numpy array it was ``device_put`` from, is copied by that identity instead: still
 correct, just not free. The CPU executors' outputs are such buffers; they are copied
-before any input is consumed, see ``_prepare_consume``.) The parts are first built from the untouched inputs, so any
-failure happens before an input is invalidated. Arrays in unpinned host memory are not
-consumed: XLA runs nothing on them (the donating call aborts the process, jax 0.10 on
-CPU), so they stay valid and the result aliases them, as without donation; nor are
+before any input is consumed, see ``_prepare_consume``.) The parts are first built
+from the untouched inputs, so any failure happens before an input is invalidated.
+Arrays in unpinned host memory are not consumed: XLA runs nothing on them (the
+donating call aborts the process, jax 0.10 on CPU), so they stay valid and the result aliases them, as without donation; nor are
 pinned-host arrays that JAX types as device memory (``_compat.may_donate``). Nor are
 inputs that share buffers with a live array outside the call that this library made
 so (``_sharing``: the parts of a split without donation and the array they came from,
