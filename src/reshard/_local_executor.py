@@ -247,6 +247,24 @@ def in_compute_memory(a: jax.Array, device: Any) -> jax.Array:
     return jax.device_put(a, jax.sharding.SingleDeviceSharding(device, memory_kind=default))
 
 
+def in_compute_memory_all(shards: Sequence[tuple[jax.Array, Any]]) -> dict[int, jax.Array]:
+    """``in_compute_memory`` for many ``(shard, device)`` pairs in one batched
+    ``jax.device_put``: by ``id`` of each shard that had to move, its staged copy."""
+    move = [
+        (a, d) for a, d in shards if a.sharding.memory_kind not in (None, d.default_memory().kind)
+    ]
+    if not move:
+        return {}
+    placed = jax.device_put(
+        [a for a, _ in move],
+        [
+            jax.sharding.SingleDeviceSharding(d, memory_kind=d.default_memory().kind)
+            for _, d in move
+        ],
+    )
+    return {id(a): p for (a, _), p in zip(move, placed, strict=True)}
+
+
 def bits_dtype(dtype: Any) -> np.dtype:
     """The element type compiled copies carry ``dtype`` in: a floating type as the
     unsigned integer of its width, anything else as itself.
