@@ -66,7 +66,7 @@ def test_pool_is_bounded():
 
 
 @pytest.mark.parametrize("limit", [1 << 20, 0], ids=["pool", "pool-off"])
-def test_on_lease_tells_memory_out_on_lease(monkeypatch, limit):
+def test_lease_test_tells_memory_out_on_lease(monkeypatch, limit):
     # What tells a donating hand-over which buffers XLA does not own: blocks out on
     # lease (also with the pool off), and nothing once their last view is gone.
     pool = HostPool(limit_bytes=limit)
@@ -77,13 +77,13 @@ def test_on_lease_tells_memory_out_on_lease(monkeypatch, limit):
     for p, n in ((a.ctypes.data, a.nbytes), (b.ctypes.data, b.nbytes)):  # each in a block
         assert [s for s in spans if s[0] <= p and p + n <= s[1]]
     inside = [a.ctypes.data, a.ctypes.data + 4095, b.ctypes.data + 99]
-    assert all(_buffers.on_lease([p]) for p in inside)
+    assert all(_buffers.lease_test()([p]) for p in inside)
     outside = [spans[0][0] - 1, spans[1][1], 0]
-    assert not _buffers.on_lease(outside) and not _buffers.on_lease([])
-    assert _buffers.on_lease([*outside, inside[0]])
+    assert not _buffers.lease_test()(outside) and not _buffers.lease_test()([])
+    assert _buffers.lease_test()([*outside, inside[0]])
     del a
     gc.collect()
-    assert not _buffers.on_lease([inside[0]]) and _buffers.on_lease([inside[2]])
+    assert not _buffers.lease_test()([inside[0]]) and _buffers.lease_test()([inside[2]])
     del b
     gc.collect()
     assert pool.leased() == []

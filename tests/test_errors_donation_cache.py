@@ -404,8 +404,8 @@ def _executor_outputs():
     rows = {"a": sharding([0, 1, 2, 3]), "b": sharding([4, 5, 6, 7])}
     x = {k: place(v, cols[k]) for k, v in truth.items()}
     made = reshard.reshard(x, rows, executor="host")
-    assert all(_buffers.on_lease(pointers(v).values()) for v in made.values())
-    assert not any(_buffers.on_lease(pointers(v).values()) for v in x.values())
+    assert all(_buffers.lease_test()(pointers(v).values()) for v in made.values())
+    assert not any(_buffers.lease_test()(pointers(v).values()) for v in x.values())
     return made, truth, rows
 
 

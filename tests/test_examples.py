@@ -11,15 +11,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_multiprocess_example_runs():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "multiprocess_reshard.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
+def _run(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in a fresh process, the suite's ``XLA_FLAGS`` left out (the
+    script picks its own devices) and ``env`` added."""
+    clean = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=clean | env
     )
+
+
+def test_multiprocess_example_runs():
+    res = _run([str(ROOT / "examples" / "multiprocess_reshard.py")])
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [line for line in res.stdout.splitlines() if line.startswith("process ")]
     assert lines[0] == "process 0: shard sums []"  # process 0 holds no destination shard
@@ -30,21 +32,9 @@ def test_multiprocess_benchmark_prints_its_table():
     # The benchmark is run by hand for the numbers; here it runs once, briefly (one
     # rep of the 40 MiB tree), so that it cannot rot unnoticed. It checks the reshards'
     # values itself before it times them.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_multiprocess.py"),
-            "--reps",
-            "1",
-            "--no-single",
-            "--timeout",
-            "200",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
+    res = _run(
+        [str(ROOT / "benchmarks" / "bench_multiprocess.py"), "--reps", "1", "--no-single"]
+        + ["--timeout", "200"]
     )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {}
@@ -79,11 +69,7 @@ def test_elastic_guide_snippets_run_as_written():
         "state = {'w': jax.device_put(np.arange(8.0), NamedSharding(mesh, P('fsdp')))}\n"
     )
     script = "\n".join([*blocks[:3], loop_stand_in, blocks[3], "print('loss', loss)"])
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    res = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
-    )
+    res = _run(["-c", script], 120, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     assert res.returncode == 0, res.stderr[-3000:]
     # What the comments in the guide say the snippets print.
     assert "[(\"['opt']\", ((8, 12),))]" in res.stdout, res.stdout
@@ -94,14 +80,8 @@ def test_elastic_guide_snippets_run_as_written():
 def test_the_accelerator_check_passes_on_cpu():
     # benchmarks/gpu_check.py is what a session with a GPU runs (no GPU here): it runs
     # on one CPU device too, without its timing table, so that it cannot rot unnoticed.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(GPU_CHECK_NO_TIMING="1", JAX_PLATFORMS="cpu")
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
+    res = _run(
+        [str(ROOT / "benchmarks" / "gpu_check.py")], GPU_CHECK_NO_TIMING="1", JAX_PLATFORMS="cpu"
     )
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     assert res.stdout.rstrip().endswith("RESULT: PASS"), res.stdout[-3000:]

@@ -594,7 +594,7 @@ def test_concatenating_the_executors_outputs_copies_them_before_consuming_any(mo
         )
         for half, mesh in zip(np.split(truth, 2), meshes, strict=True)
     ]
-    assert all(_buffers.on_lease(pointers(p).values()) for p in parts)
+    assert all(_buffers.lease_test()(pointers(p).values()) for p in parts)
     ran: list[int] = []
     failing_identity_after(monkeypatch, ran)
     joined = concatenate_by_mesh_axis(parts, "stage")

@@ -205,12 +205,6 @@ def scenario(name: str, size_mb: float) -> tuple[dict[str, Any], dict[str, Any],
     raise ValueError(f"unknown scenario {name!r}; choose from {SCENARIOS}")
 
 
-def median_time(fn: Callable[[Any], Any], x: Any, reps: int) -> float:
-    """Median seconds of ``fn(x)``, each run on fresh array objects (``fresh_arrays``,
-    made outside the timing) until its output is ready."""
-    return interleaved_times({"fn": fn}, x, reps)["fn"]
-
-
 def interleaved_times(fns: dict[str, Callable[[Any], Any]], x: Any, reps: int) -> dict[str, float]:
     """Median seconds of each ``fn(x)``, the methods timed in turn: every round times
     each method once, in an order that rotates from round to round (no method always

@@ -283,11 +283,6 @@ def lease_test() -> Callable[[Iterable[int]], bool]:
     return test
 
 
-def on_lease(addresses: Iterable[int]) -> bool:
-    """``lease_test()(addresses)``, for one test."""
-    return lease_test()(addresses)
-
-
 def release_host_buffers() -> int:
     """Frees the warm host memory kept for reuse by the CPU executor.
 

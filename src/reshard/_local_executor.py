@@ -241,10 +241,7 @@ def run_host(
 def in_compute_memory(a: jax.Array, device: Any) -> jax.Array:
     """``a`` in ``device``'s default memory: compiled programs read device memory, so
     shards in host memory kinds are staged there first."""
-    default = device.default_memory().kind
-    if a.sharding.memory_kind in (None, default):
-        return a
-    return jax.device_put(a, jax.sharding.SingleDeviceSharding(device, memory_kind=default))
+    return in_compute_memory_all([(a, device)]).get(id(a), a)
 
 
 def in_compute_memory_all(shards: Sequence[tuple[jax.Array, Any]]) -> dict[int, jax.Array]:
