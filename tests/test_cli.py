@@ -341,6 +341,22 @@ def test_plan_avoid_reads_surviving_replicas_only() -> None:
     assert out["stats"] == roundtrip(plan.stats.as_dict())
 
 
+def test_plan_notes_avoided_devices_that_hold_no_source_shard() -> None:
+    args = ("plan", "--shape", "48,64", "--src-mesh", "2x4", "--src-axes", "r,f", "--src-spec",
+            "f", "--dst-mesh", "6", "--dst-axes", "f", "--dst-spec", "f")  # fmt: skip
+    res = run_cli(*args, "--avoid", "6,7,100")
+    assert res.returncode == 0, res.stderr
+    line = next(s for s in res.stdout.splitlines() if "avoiding:" in s)
+    assert line.endswith(
+        "devices 6-7,100 (lost); device 100 holds no source shard, which changes nothing"
+    )
+    res = run_cli(*args, "--avoid", "6-7,100-101")
+    assert "devices 100-101 hold no source shard" in res.stdout
+    res = run_cli(*args, "--avoid", "6,7")
+    line = next(s for s in res.stdout.splitlines() if "avoiding:" in s)
+    assert line.endswith("devices 6-7 (lost)")
+
+
 def test_plan_data_loss_is_exit_1_with_one_clean_line() -> None:
     args = ("plan", "--shape", "1024,1024", "--src-mesh", "2x4", "--dst-mesh", "4")
     res = run_cli(*args, "--dst-axes", "x", "--avoid", "4-7")

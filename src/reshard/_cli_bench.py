@@ -165,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--size-mb",
         type=size_mb,
-        help="size of the LLM-shaped trees (suite default; the built-in suite's "
+        help="size of the LLM-shaped trees in MiB (suite default; the built-in suite's "
         "leaves and narrow cases keep their fixed sizes)",
     )
     p.add_argument("--repeats", type=positive_int, help="timed repetitions (suite default)")

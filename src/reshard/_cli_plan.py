@@ -516,6 +516,12 @@ def run(args: argparse.Namespace, console: Any) -> int:
     console.print(f"  destination: {dst.describe()}", highlight=False, soft_wrap=True)
     if args.avoid:
         avoiding = f"  avoiding:    devices {device_ranges(args.avoid)} (lost)"
+        idle = sorted(set(args.avoid) - set(src.devices))
+        if idle:
+            # Most likely a typo; harmless either way, so noted rather than refused.
+            which = f"device {idle[0]} holds" if len(idle) == 1 else "devices {} hold"
+            which = which.format(device_ranges(idle))
+            avoiding += f"; {which} no source shard, which changes nothing"
         console.print(avoiding, highlight=False, soft_wrap=True)
     render_report(console, report)
     return 0
