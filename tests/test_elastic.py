@@ -518,6 +518,27 @@ def test_zero_size_arrays_lose_nothing():
         )
 
 
+def test_recover_onto_a_mesh_reports_a_lost_single_device_leaf_as_data_loss():
+    # carry_shardings refuses a SingleDeviceSharding off the new mesh (ValueError), but
+    # when that device is lost the leaf is gone: recover must say DataLossError, as it
+    # does with an explicit sharding tree, and leave the inputs intact.
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    small = reshard.shrink_mesh(full, [5], "data")
+    state = {
+        "w": jax.device_put(np.arange(8.0), NamedSharding(full, P("fsdp"))),
+        "count": jax.device_put(np.int32(7), DEVICES[5]),
+    }
+    for dst in (small, {"w": NamedSharding(small, P("fsdp")), "count": NamedSharding(small, P())}):
+        with pytest.raises(reshard.DataLossError, match=r"\['count'\]\[\]") as e:
+            reshard.recover(state, dst, [5], donate=True)
+        assert [path for path, _ in e.value.missing] == ["['count']"]
+    assert int(state["count"]) == 7 and not state["w"].is_deleted()
+    # On a surviving device off the mesh it is still carry_shardings' ValueError.
+    state["count"] = jax.device_put(np.int32(7), DEVICES[6])
+    with pytest.raises(ValueError, match=r"leaf \['count'\] has SingleDeviceSharding"):
+        reshard.recover(state, small, [5])
+
+
 def test_recover_refuses_a_destination_on_lost_devices():
     full = mesh_of((2, 4), ("data", "fsdp"))
     x = jax.device_put(np.zeros(8), NamedSharding(full, P("fsdp")))
@@ -910,14 +931,23 @@ def test_manager_argument_errors():
         reshard.ElasticManager(full, "data", allowed_sizes=2)
     with pytest.raises(ValueError, match=r"allowed_sizes must be a collection .* got int: 1"):
         reshard.shrink_mesh(full, [4], "data", allowed_sizes=1)
+    with pytest.raises(ValueError, match=r"allowed_sizes must be a collection .* ndarray: arr"):
+        reshard.shrink_mesh(full, [4], "data", allowed_sizes=np.array(2))
     with pytest.raises(TypeError, match=r"expected a list of devices .*pass \[device\]"):
         reshard.shrink_mesh(full, np.array(4), "data")
     with pytest.raises(TypeError, match=r"grow_mesh: expected a list of devices .*ndarray"):
         reshard.grow_mesh(reshard.shrink_mesh(full, [4], "data"), np.array(4), "data")
     with pytest.raises(TypeError, match=r"DeviceLossError: expected a list of devices .* int: 4"):
         reshard.DeviceLossError(4)
+    twice = mesh_of((2, 2), ("data", "fsdp"), [0, 1, 1, 2])
     with pytest.raises(ValueError, match=r"the mesh lists device\(s\) \[1\] more than once"):
-        reshard.ElasticManager(mesh_of((2, 2), ("data", "fsdp"), [0, 1, 1, 2]), "data")
+        reshard.ElasticManager(twice, "data")
+    with pytest.raises(ValueError, match=r"shrink_mesh: the mesh lists device\(s\) \[1\]"):
+        reshard.shrink_mesh(twice, [7], "data")
+    with pytest.raises(ValueError, match=r"grow_mesh: the mesh lists device\(s\) \[1\]"):
+        reshard.grow_mesh(twice, [4, 5], "data")
+    with pytest.raises(ValueError, match=r"grow_mesh \(target\): the mesh lists device\(s\) \[1"):
+        reshard.grow_mesh(mesh_of((1, 2), ("data", "fsdp"), [0, 1]), twice, "data")
     x = jax.device_put(np.zeros(8), NamedSharding(full, P("fsdp")))
     with pytest.raises(TypeError, match=r"recover: lost_devices must be an iterable .*array\(4\)"):
         reshard.recover(x, reshard.shrink_mesh(full, [4], "data"), np.array(4))

@@ -29,7 +29,7 @@ from numbers import Integral
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._api import _avoid_ids
 from ._api import plan as make_plan
@@ -37,8 +37,8 @@ from ._mesh_surgery import (
     _listed,
     carry_shardings,
     check_allowed_sizes,
+    check_distinct_devices,
     device_id,
-    repeated_ids,
     shrink_mesh,
 )
 from ._plan import Plan, human_bytes
@@ -85,7 +85,17 @@ def _recover_with_plan(
                 next(moved) if a is not None else b for a, b in zip(arrays, leaves, strict=True)
             ]
             return jax.tree_util.tree_unflatten(treedef, back), p
-        sharding = carry_shardings(x, sharding)
+        mesh = sharding
+
+        def target(a: jax.Array) -> Any:
+            s = a.sharding
+            if isinstance(s, SingleDeviceSharding) and device_id(next(iter(s.device_set))) in lost:
+                # Its only copy is gone, and carry_shardings refuses a device off the
+                # mesh: any target on the mesh lets planning raise DataLossError naming it.
+                return NamedSharding(mesh, PartitionSpec(), memory_kind=s.memory_kind)
+            return a
+
+        sharding = carry_shardings(jax.tree_util.tree_map(target, x), mesh)
     # Elastic events are rare and each has its own avoided set: no point caching.
     p = make_plan(x, sharding, avoid_devices=lost, cache=False)
     return p.execute(x, donate=donate), p
@@ -330,12 +340,7 @@ class ElasticManager:
                 f"ElasticManager: axis {axis!r} is not an axis of the mesh (axis names "
                 f"{tuple(mesh.axis_names)}); pass the data-parallel axis"
             )
-        twice = repeated_ids(d.id for d in mesh.devices.flat)
-        if twice:
-            raise ValueError(
-                f"ElasticManager: the mesh lists device(s) {twice} more than once; a mesh "
-                "holds each device once"
-            )
+        check_distinct_devices(mesh, "ElasticManager")
         retries: Any = max_retries  # any integral type (numpy's too), not bool
         if isinstance(retries, bool) or not isinstance(retries, Integral) or retries < 0:
             raise ValueError(

@@ -110,6 +110,17 @@ def repeated_ids(ids: Iterable[Any]) -> list[Any]:
     return sorted(i for i, n in Counter(ids).items() if n > 1)
 
 
+def check_distinct_devices(mesh: Mesh, where: str) -> None:
+    """Raises ``ValueError`` when ``mesh`` lists a device more than once (JAX's ``Mesh``
+    allows it; no sharding of such a mesh can be resharded)."""
+    twice = repeated_ids(device_id(d) for d in mesh.devices.flat)
+    if twice:
+        raise ValueError(
+            f"{where}: the mesh lists device(s) {twice} more than once; a mesh holds each "
+            "device once"
+        )
+
+
 def _listed(devices: Iterable[Any], where: str = "") -> Iterable[Any]:
     """``devices`` itself, once checked to be a collection and not one device or id."""
     if (
@@ -132,7 +143,11 @@ def check_allowed_sizes(allowed_sizes: Iterable[int] | None, where: str) -> tupl
     """``allowed_sizes`` as a sorted tuple of distinct sizes, each an integer >= 1."""
     if allowed_sizes is None:
         return None
-    if isinstance(allowed_sizes, str | bytes) or not isinstance(allowed_sizes, Iterable):
+    if (
+        isinstance(allowed_sizes, str | bytes)
+        or not isinstance(allowed_sizes, Iterable)
+        or (isinstance(allowed_sizes, np.ndarray) and allowed_sizes.ndim == 0)
+    ):
         raise ValueError(
             f"{where}: allowed_sizes must be a collection of integer sizes >= 1 of the axis, "
             f"e.g. (1, 2, 4); got {type(allowed_sizes).__name__}: {allowed_sizes!r}"
@@ -298,8 +313,9 @@ def shrink_mesh(
 
     Whole slices along ``axis`` (usually the data-parallel axis) that hold a lost device
     are dropped; every other axis keeps its size, so ``carry_shardings`` can move the
-    same ``PartitionSpec``s onto the result. Lost devices outside ``mesh`` are ignored
-    (the mesh comes back unchanged when none of them is in it).
+    same ``PartitionSpec``s onto the result. Lost devices outside ``mesh`` are ignored:
+    when none of them is in it, the mesh comes back unchanged unless ``allowed_sizes``
+    excludes its size along ``axis`` (then it shrinks to the largest allowed size).
 
     Args:
       mesh: the current mesh.
@@ -312,8 +328,8 @@ def shrink_mesh(
 
     Raises:
       ValueError: ``axis`` is not a mesh axis, or every slice along it (or every
-        allowed number of slices) holds a lost device. The message shows the mesh and
-        the lost devices.
+        allowed number of slices) holds a lost device (the message shows the mesh and
+        the lost devices), or the mesh lists a device twice.
 
     Example:
       >>> import jax, numpy as np, reshard
@@ -323,6 +339,7 @@ def shrink_mesh(
       >>> dict(small.shape), [d.id for d in small.devices.flat]
       ({'data': 1, 'fsdp': 4}, [0, 1, 2, 3])
     """
+    check_distinct_devices(mesh, "shrink_mesh")
     devices = shrink_grid(
         mesh.devices, mesh.axis_names, lost_devices, axis, allowed_sizes=allowed_sizes
     )
@@ -348,7 +365,8 @@ def grow_mesh(mesh: Mesh, devices_or_mesh: Sequence[Any] | Mesh, axis: str) -> M
 
     Raises:
       ValueError: an unknown axis, devices that do not fill whole slices or are already
-        in ``mesh``, or a target mesh that does not extend ``mesh`` along ``axis``.
+        in ``mesh``, a target mesh that does not extend ``mesh`` along ``axis``, or a
+        mesh that lists a device twice.
 
     Example:
       >>> import jax, numpy as np, reshard
@@ -358,7 +376,9 @@ def grow_mesh(mesh: Mesh, devices_or_mesh: Sequence[Any] | Mesh, axis: str) -> M
       >>> dict(big.shape)
       {'data': 2, 'fsdp': 4}
     """
+    check_distinct_devices(mesh, "grow_mesh")
     if isinstance(devices_or_mesh, Mesh):
+        check_distinct_devices(devices_or_mesh, "grow_mesh (target)")
         check_grow_target(mesh, devices_or_mesh, axis)
         return devices_or_mesh
     new = _as_devices(devices_or_mesh, mesh)
