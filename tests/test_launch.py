@@ -270,6 +270,54 @@ def test_failure_names_the_failing_process_and_ends_the_others() -> None:
         assert r.returncode in (-signal.SIGTERM, -signal.SIGKILL)
 
 
+def _target_fail_then_peer_fails(flag: str) -> None:
+    """Process 1 fails; process 0 exits (status 4) as soon as process 1 has, as a process
+    blocked on it in a collective does when its connection closes (both exits mostly
+    fall within one of the launcher's polls)."""
+    import fcntl
+
+    lock = open(flag + ".lock", "a")  # noqa: SIM115 (held until this process exits)
+    if os.environ["RESHARD_PROCESS_ID"] == "1":
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        Path(flag).touch()
+        raise ValueError("the cause")
+    while not Path(flag).exists():
+        time.sleep(0.0005)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # process 1's files close as it exits
+    os._exit(4)  # (at once: no traceback to print)
+
+
+def test_the_process_that_failed_first_is_blamed_even_within_one_poll(tmp_path: Path) -> None:
+    # The launcher polls its children every 20 ms; exits within one poll used to tie,
+    # and the tie went to the lowest process id: the peer, not the cause.
+    for i in range(3):
+        with pytest.raises(LaunchError) as e:
+            launch_local(f"{HERE}:_target_fail_then_peer_fails", 2, 1,
+                         args=[str(tmp_path / f"flag{i}")], initialize=False, timeout_s=60)  # fmt: skip
+        head, *_, last = str(e.value).splitlines()
+        assert "process 1 failed first (process 1: exit code 1 after" in head, str(e.value)
+        assert last.endswith("ValueError: the cause"), str(e.value)
+        assert e.value.results[0].duration_s > e.value.results[1].duration_s
+
+
+def _target_sigterm_self(pid: int) -> None:
+    if int(os.environ["RESHARD_PROCESS_ID"]) == pid:
+        os.kill(os.getpid(), signal.SIGTERM)  # as an outside `kill <pid>` would
+        time.sleep(30)
+
+
+def test_a_child_ended_by_an_outside_sigterm_says_so() -> None:
+    # It ends by the SIGKILL to its group (status -9): its stderr says what came first.
+    with pytest.raises(LaunchError) as e:
+        launch_local(f"{HERE}:_target_sigterm_self", 2, 1, args=[1], initialize=False, timeout_s=30)
+    assert "process 1 failed first (process 1: killed by SIGKILL" in str(e.value)
+    assert str(e.value).endswith(
+        "| reshard launch: process 1 got SIGTERM; ending it and all it started "
+        "(SIGKILL to its process group)"
+    )
+    assert e.value.results[0].ok
+
+
 def _target_count_runs(log_dir: str) -> int:
     """Records that the target ran in this process; returns the global device count."""
     import jax
@@ -512,6 +560,28 @@ def test_no_orphans_when_the_launcher_itself_is_interrupted_or_killed(
                     os.kill(p, signal.SIGKILL)
 
 
+def test_an_installed_package_leaves_the_childrens_path_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Installed in site-packages, the package is on the child's path anyway; put first,
+    # that directory would come before the standard library and shadow it.
+    def child_path(root: str, env: dict[str, str]) -> str | None:
+        monkeypatch.setattr(_launch, "_package_root", lambda: root)
+        monkeypatch.setattr(os, "environ", {"PATH": "/usr/bin"})
+        out = _launch._child_environment(
+            env, coordinator="127.0.0.1:1", num_processes=1, process_id=0,
+            devices_per_process=1, init_timeout_s=1, heartbeat_timeout_s=1,
+            shutdown_timeout_s=1, spec_path=tmp_path / "spec.json",
+        )  # fmt: skip
+        return out.get("PYTHONPATH")
+
+    site_dir = sorted(_launch._site_dirs())[0]
+    assert child_path(site_dir, {}) is None
+    assert child_path(site_dir, {"PYTHONPATH": "/mine"}) == "/mine"
+    assert child_path("/src", {}) == "/src"
+    assert child_path("/src", {"PYTHONPATH": "/mine"}) == f"/src{os.pathsep}/mine"
+
+
 def test_env_values_may_be_text_bytes_or_paths(tmp_path: Path) -> None:
     env = {"RV_TEXT": "a", "RV_BYTES": b"b", "RV_PATH": tmp_path, "PYTHONPATH": tmp_path}
     names = [*env, _launch.ENV_SHUTDOWN_TIMEOUT_S]
@@ -637,10 +707,14 @@ def test_bad_arguments_are_rejected_with_the_value() -> None:
         launch_local("x:y", timeout_s=float("nan"))
     with pytest.raises(ValueError, match="peer_failure_grace_s >= 0.*grace_s=nan"):
         launch_local("x:y", peer_failure_grace_s=float("nan"))
-    with pytest.raises(ValueError, match="whole seconds >= 1.*'init_timeout_s': 5.5"):
+    with pytest.raises(ValueError, match="whole seconds from 1.*'init_timeout_s': 5.5"):
         launch_local("x:y", init_timeout_s=5.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="whole seconds >= 1.*'shutdown_timeout_s': 0"):
+    with pytest.raises(ValueError, match="whole seconds from 1.*'shutdown_timeout_s': 0"):
         launch_local("x:y", shutdown_timeout_s=0)
+    # Beyond a C int, jax.distributed would fail in every child with a binding error.
+    for name in ("init_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
+        with pytest.raises(ValueError, match=rf"from 1 to 2147483647 .*'{name}': 2147483648"):
+            launch_local("x:y", **{name: 2**31})  # type: ignore[arg-type]
     for bad in ("2", 2.5, True):
         with pytest.raises(ValueError, match=rf"as integers; got num_processes={bad!r}"):
             launch_local("x:y", num_processes=bad)  # type: ignore[arg-type]

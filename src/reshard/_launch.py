@@ -55,9 +55,11 @@ import math
 import os
 import runpy
 import signal
+import site
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -85,6 +87,7 @@ _CHILD_BOOTSTRAP = "import reshard._launch as _l; _l._child_main()"
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _POLL_S = 0.02
+_MAX_JAX_SECONDS = 2**31 - 1  # (jax.distributed's timeouts are C ints)
 _TERM_GRACE_S = 2.0  # SIGTERM -> SIGKILL escalation when the launcher ends a process
 # Process 0's exit status when its coordinator's port was taken before it could bind it
 # (EX_TEMPFAIL), and how many ports a launch tries.
@@ -120,7 +123,8 @@ class ProcessResult:
         stdout: everything the process wrote to stdout.
         stderr: everything the process wrote to stderr (tracebacks land here).
         value: the JSON-decoded return value of a ``module:function`` target, else None.
-        duration_s: seconds from start until the process ended.
+        duration_s: seconds from start until the process ended (for a process that
+            failed on its own, until it reported the failure, just before exiting).
         terminated: the launcher killed it (timeout, a failed peer, or an interrupt).
         timed_out: the launcher killed it because ``timeout_s`` ran out.
     """
@@ -256,7 +260,8 @@ def launch_local(
             for function targets).
         env: extra environment variables for the children (override the defaults,
             e.g. ``{"JAX_PLATFORMS": "cuda"}``; a ``PYTHONPATH`` comes after the
-            directory this package is imported from).
+            directory this package is imported from, unless that is a site-packages
+            directory).
         initialize: call :func:`initialize_from_env` before the target. Pass False when
             the target calls it itself (e.g. to test a process that arrives late).
         check: raise :class:`LaunchError` unless every process exited with status 0.
@@ -314,10 +319,11 @@ def launch_local(
         "shutdown_timeout_s": shutdown_timeout_s,
     }
     bad = [v for v in seconds.values() if isinstance(v, bool) or not isinstance(v, Integral)]
-    if bad or any(v < 1 for v in seconds.values()):
+    if bad or any(not 1 <= v <= _MAX_JAX_SECONDS for v in seconds.values()):
         raise ValueError(
             "launch_local needs init_timeout_s, heartbeat_timeout_s and shutdown_timeout_s "
-            f"as whole seconds >= 1 (jax.distributed takes ints); got {seconds}."
+            f"as whole seconds from 1 to {_MAX_JAX_SECONDS} (jax.distributed takes 32-bit "
+            f"ints); got {seconds}."
         )
     if not target.strip():
         raise ValueError(
@@ -418,6 +424,12 @@ def _launch_once(
         files: list[tuple[Path, Path, Path]] = []
         start = time.monotonic()
         ended_at: dict[int, float] = {}
+        # When each child exited, taken by a thread blocked in its wait (the poll below
+        # sees an exit up to _POLL_S late), and, read from its file, when a child that
+        # failed on its own said so just before exiting: a process failing because a
+        # peer died (gloo's "connection closed") often exits within the same poll, and
+        # then looked first as often as the process that caused it.
+        exited_at: dict[int, float] = {}
         terminated: set[int] = set()
         timed_out = False
         try:
@@ -432,6 +444,7 @@ def _launch_once(
                             "initialize": initialize,
                             "result_path": str(res_p),
                             "started_path": str(workdir / f"{pid}.started"),
+                            "failed_path": str(workdir / f"{pid}.failed"),
                         }
                     )
                 )
@@ -460,12 +473,13 @@ def _launch_once(
                             start_new_session=True,
                         )
                     )
+                _clock_exit(procs[-1], pid, exited_at)
             first_failure_at: float | None = None
             while len(ended_at) < num_processes:
                 now = time.monotonic()
                 for pid, proc in enumerate(procs):
                     if pid not in ended_at and proc.poll() is not None:
-                        ended_at[pid] = now
+                        ended_at[pid] = exited_at.get(pid, now)
                         if proc.returncode != 0 and first_failure_at is None:
                             first_failure_at = now
                             if pid == 0 and _port_was_taken(workdir, initialize):
@@ -502,6 +516,10 @@ def _launch_once(
             if res_p.exists():
                 with contextlib.suppress(ValueError):
                     value = json.loads(res_p.read_text())
+            ended = ended_at.get(pid, time.monotonic())
+            with contextlib.suppress(OSError, ValueError):
+                # (time.monotonic is one clock for every process of the machine.)
+                ended = min(ended, float((workdir / f"{pid}.failed").read_text()))
             results.append(
                 ProcessResult(
                     process_id=pid,
@@ -509,7 +527,7 @@ def _launch_once(
                     stdout=out_p.read_text(errors="replace"),
                     stderr=err_p.read_text(errors="replace"),
                     value=value,
-                    duration_s=ended_at.get(pid, time.monotonic()) - start,
+                    duration_s=ended - start,
                     terminated=pid in terminated,
                     timed_out=timed_out and pid in terminated,
                 )
@@ -526,6 +544,20 @@ def _port_was_taken(workdir: Path, initialize: bool) -> bool:
         return False
     err = (workdir / "0.err").read_text(errors="replace") if (workdir / "0.err").exists() else ""
     return any(m in err for m in _PORT_TAKEN)
+
+
+def _clock_exit(proc: subprocess.Popen[bytes], pid: int, exited_at: dict[int, float]) -> None:
+    """Records in ``exited_at[pid]`` the moment ``proc`` exits (a daemon thread waits).
+
+    (While the thread waits it holds the Popen's wait lock, so ``poll()`` reports the
+    exit only once the thread has reaped it.)
+    """
+
+    def wait() -> None:
+        proc.wait()
+        exited_at[pid] = time.monotonic()
+
+    threading.Thread(target=wait, name=f"reshard-launch-wait-{pid}", daemon=True).start()
 
 
 def _end_all(procs: Sequence[subprocess.Popen[bytes]], ended_at: dict[int, float]) -> None:
@@ -680,10 +712,26 @@ def _child_environment(
     )
     env.update({k: os.fsdecode(v) for k, v in (extra or {}).items()})  # (as Popen would)
     # The child must import this very package, installed or not: first on its path,
-    # also when `extra` gives a PYTHONPATH of its own.
-    pkg_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+    # also when `extra` gives a PYTHONPATH of its own. Not when it is installed in a
+    # site directory, which the child (the same interpreter) has on its path anyway:
+    # first on the path, it would come before the standard library, whose modules a
+    # package installed there may shadow (old backports of argparse, enum, ...).
+    pkg_root = _package_root()
+    if pkg_root not in _site_dirs():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def _package_root() -> str:
+    """The directory this package is imported from."""
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def _site_dirs() -> set[str]:
+    """This interpreter's site-packages directories (resolved)."""
+    dirs = [*getattr(site, "getsitepackages", list)(), site.getusersitepackages()]
+    dirs += [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    return {str(Path(d).resolve()) for d in dirs if d}
 
 
 def initialize_from_env() -> None:
@@ -769,7 +817,7 @@ def _die_with_parent() -> None:
     parent = int(os.environ.get(_ENV_PARENT_PID, "0"))
     me = os.getpid()
 
-    def end_group(*_: object) -> None:
+    def end_group(*signum: object) -> None:
         if os.getpid() != me:
             # A child forked without exec (multiprocessing's "fork") inherits this
             # handler: its SIGTERM (a Pool's terminate(), say) must end it alone, as
@@ -778,6 +826,14 @@ def _die_with_parent() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         with contextlib.suppress(Exception):
+            # The process ends by the SIGKILL below: say why, or its status (-9) would
+            # hide a SIGTERM from the launcher, the parent's death or someone else.
+            why = "got SIGTERM" if signum else "lost its launcher"
+            print(
+                f"reshard launch: process {os.environ.get(ENV_PROCESS_ID, '?')} {why}; "
+                "ending it and all it started (SIGKILL to its process group)",
+                file=sys.stderr,
+            )
             sys.stdout.flush()
             sys.stderr.flush()
         os.killpg(0, signal.SIGKILL)
@@ -827,7 +883,9 @@ def _resolve_function(target: str) -> Any:
 def _child_main() -> None:
     """Entry point of a launched child: initialise JAX, run the target, report back."""
     _die_with_parent()
+    global _failed_path
     spec = json.loads(Path(os.environ[_ENV_SPEC]).read_text())
+    _failed_path = spec["failed_path"]
     target: str = spec["target"]
     args: list[Any] = spec["args"]
     try:
@@ -873,13 +931,23 @@ def _child_main() -> None:
         _fail_fast(1)
 
 
+_failed_path: str | None = None  # (a child's: where _fail_fast says when it failed)
+
+
 def _fail_fast(code: int) -> None:
     """Exits now, skipping atexit handlers.
 
     JAX's atexit handler runs a distributed shutdown barrier that waits for every peer
     (up to ``shutdown_timeout_s``); a failed process must not wait for peers that may be
     blocked on it. Its peers learn of the failure through the heartbeat instead.
+
+    The time is left for the launcher first: a peer that fails because this process
+    exits (its connections close) does so after this moment, however the two exits are
+    scheduled, so the launcher names the right process as the first to fail.
     """
+    if _failed_path is not None:
+        with contextlib.suppress(OSError):
+            Path(_failed_path).write_text(repr(time.monotonic()))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
