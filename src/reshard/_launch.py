@@ -57,6 +57,7 @@ import runpy
 import signal
 import site
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -87,6 +88,7 @@ _CHILD_BOOTSTRAP = "import reshard._launch as _l; _l._child_main()"
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _POLL_S = 0.02
+_ENDING = "ending"  # in a launch's directory: the launcher is ending its children
 _MAX_JAX_SECONDS = 2**31 - 1  # (jax.distributed's timeouts are C ints)
 _TERM_GRACE_S = 2.0  # SIGTERM -> SIGKILL escalation when the launcher ends a process
 # Process 0's exit status when its coordinator's port was taken before it could bind it
@@ -498,7 +500,7 @@ def _launch_once(
                     for pid in range(num_processes):
                         if pid not in ended_at:
                             terminated.add(pid)
-                    _end_all(procs, ended_at)
+                    _end_all(procs, ended_at, workdir)
                     break
                 time.sleep(_POLL_S)
         finally:
@@ -507,7 +509,7 @@ def _launch_once(
             for pid in range(num_processes):
                 if pid < len(procs) and pid not in ended_at and procs[pid].poll() is None:
                     terminated.add(pid)
-            _end_all(procs, ended_at)
+            _end_all(procs, ended_at, workdir)
 
         results = []
         for pid, proc in enumerate(procs):
@@ -517,9 +519,10 @@ def _launch_once(
                 with contextlib.suppress(ValueError):
                     value = json.loads(res_p.read_text())
             ended = ended_at.get(pid, time.monotonic())
-            with contextlib.suppress(OSError, ValueError):
-                # (time.monotonic is one clock for every process of the machine.)
-                ended = min(ended, float((workdir / f"{pid}.failed").read_text()))
+            if proc.returncode != 0:
+                with contextlib.suppress(OSError, ValueError):
+                    # (time.monotonic is one clock for every process of the machine.)
+                    ended = min(ended, float((workdir / f"{pid}.failed").read_text()))
             results.append(
                 ProcessResult(
                     process_id=pid,
@@ -560,8 +563,13 @@ def _clock_exit(proc: subprocess.Popen[bytes], pid: int, exited_at: dict[int, fl
     threading.Thread(target=wait, name=f"reshard-launch-wait-{pid}", daemon=True).start()
 
 
-def _end_all(procs: Sequence[subprocess.Popen[bytes]], ended_at: dict[int, float]) -> None:
+def _end_all(
+    procs: Sequence[subprocess.Popen[bytes]], ended_at: dict[int, float], workdir: Path
+) -> None:
     """Ends every process group we started: SIGTERM, then SIGKILL after a short grace.
+
+    First it leaves a file ``_ENDING`` in ``workdir``, so that the children take the
+    SIGTERM for the launcher's (``_die_with_parent``).
 
     SIGTERM first so a child may flush its output; SIGKILL because a process blocked in
     a native collective (gloo) may never act on SIGTERM. Groups whose leader already
@@ -570,6 +578,8 @@ def _end_all(procs: Sequence[subprocess.Popen[bytes]], ended_at: dict[int, float
     the SIGKILL too, even when every child has exited.
     """
     groups = [p.pid for p in procs]
+    with contextlib.suppress(OSError):
+        (workdir / _ENDING).touch()
     # A Ctrl-C or SIGTERM (raised here by `_SigtermUnwinds`) that arrives meanwhile ends
     # the wait it interrupts, not the ending: the SIGKILL still goes to every group,
     # and the interruption is raised once it has.
@@ -817,6 +827,8 @@ def _die_with_parent() -> None:
     parent = int(os.environ.get(_ENV_PARENT_PID, "0"))
     me = os.getpid()
 
+    ending = Path(os.environ.get(_ENV_SPEC, "")).parent / _ENDING
+
     def end_group(*signum: object) -> None:
         if os.getpid() != me:
             # A child forked without exec (multiprocessing's "fork") inherits this
@@ -826,14 +838,17 @@ def _die_with_parent() -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         with contextlib.suppress(Exception):
-            # The process ends by the SIGKILL below: say why, or its status (-9) would
-            # hide a SIGTERM from the launcher, the parent's death or someone else.
-            why = "got SIGTERM" if signum else "lost its launcher"
-            print(
-                f"reshard launch: process {os.environ.get(ENV_PROCESS_ID, '?')} {why}; "
-                "ending it and all it started (SIGKILL to its process group)",
-                file=sys.stderr,
-            )
+            # A SIGTERM from neither the launcher nor the parent's death: the status
+            # (-9, the SIGKILL below) would hide it. Only into a file: a write to a
+            # full pipe would block, and the SIGKILL never come.
+            outside = signum and not ending.exists() and os.getppid() == parent
+            if outside and stat.S_ISREG(os.fstat(2).st_mode):
+                os.write(
+                    2,
+                    f"reshard launch: process {os.environ.get(ENV_PROCESS_ID, '?')} got "
+                    "SIGTERM from outside the launcher; ending it and all it started "
+                    "(SIGKILL to its process group)\n".encode(),
+                )
             sys.stdout.flush()
             sys.stderr.flush()
         os.killpg(0, signal.SIGKILL)
@@ -883,9 +898,9 @@ def _resolve_function(target: str) -> Any:
 def _child_main() -> None:
     """Entry point of a launched child: initialise JAX, run the target, report back."""
     _die_with_parent()
-    global _failed_path
+    global _failed_at
     spec = json.loads(Path(os.environ[_ENV_SPEC]).read_text())
-    _failed_path = spec["failed_path"]
+    _failed_at = (os.getpid(), spec["failed_path"])
     target: str = spec["target"]
     args: list[Any] = spec["args"]
     try:
@@ -922,32 +937,37 @@ def _child_main() -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if code != 0:
+            when = time.monotonic()
             if not isinstance(e.code, int):
                 print(e.code, file=sys.stderr)
-            _fail_fast(code)
+            _fail_fast(code, when)
         raise
     except BaseException:
+        when = time.monotonic()  # (before the traceback, which may take a while)
         traceback.print_exc()
-        _fail_fast(1)
+        _fail_fast(1, when)
 
 
-_failed_path: str | None = None  # (a child's: where _fail_fast says when it failed)
+# A launched child's pid, and where _fail_fast tells the launcher when it failed.
+_failed_at: tuple[int, str] | None = None
 
 
-def _fail_fast(code: int) -> None:
+def _fail_fast(code: int, when: float | None = None) -> None:
     """Exits now, skipping atexit handlers.
 
     JAX's atexit handler runs a distributed shutdown barrier that waits for every peer
     (up to ``shutdown_timeout_s``); a failed process must not wait for peers that may be
     blocked on it. Its peers learn of the failure through the heartbeat instead.
 
-    The time is left for the launcher first: a peer that fails because this process
-    exits (its connections close) does so after this moment, however the two exits are
-    scheduled, so the launcher names the right process as the first to fail.
+    The moment of the failure (``when``, default now) is left for the launcher first:
+    a peer that fails because this process exits (its connections close) does so
+    later, however the two exits are scheduled, so the launcher names the right process
+    as the first to fail. (Not from a child forked without exec, whose failure is not
+    the launched process's.)
     """
-    if _failed_path is not None:
+    if _failed_at is not None and _failed_at[0] == os.getpid():
         with contextlib.suppress(OSError):
-            Path(_failed_path).write_text(repr(time.monotonic()))
+            Path(_failed_at[1]).write_text(repr(time.monotonic() if when is None else when))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
