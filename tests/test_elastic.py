@@ -931,8 +931,13 @@ def test_manager_argument_errors():
         reshard.ElasticManager(full, "data", allowed_sizes=2)
     with pytest.raises(ValueError, match=r"allowed_sizes must be a collection .* got int: 1"):
         reshard.shrink_mesh(full, [4], "data", allowed_sizes=1)
-    with pytest.raises(ValueError, match=r"allowed_sizes must be a collection .* ndarray: arr"):
-        reshard.shrink_mesh(full, [4], "data", allowed_sizes=np.array(2))
+    for zero_d in (np.array(2), jnp.array(2)):
+        with pytest.raises(ValueError, match=r"allowed_sizes must be a collection .*: Arr|arr"):
+            reshard.shrink_mesh(full, [4], "data", allowed_sizes=zero_d)
+        with pytest.raises(TypeError, match=r"expected a list of devices .*pass \[device\]"):
+            reshard.shrink_mesh(full, zero_d, "data")
+        with pytest.raises(TypeError, match=r"lost_devices must be an iterable .*rray\(2"):
+            reshard.recover(jnp.zeros(8), full, zero_d)
     with pytest.raises(TypeError, match=r"expected a list of devices .*pass \[device\]"):
         reshard.shrink_mesh(full, np.array(4), "data")
     with pytest.raises(TypeError, match=r"grow_mesh: expected a list of devices .*ndarray"):

@@ -525,7 +525,7 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices")
     if (
         isinstance(avoid_devices, str | bytes | jax.Device)
         or not isinstance(avoid_devices, Iterable)
-        or (isinstance(avoid_devices, np.ndarray) and avoid_devices.ndim == 0)
+        or getattr(avoid_devices, "ndim", None) == 0  # a 0-d numpy or JAX array
     ):
         raise TypeError(
             f"{what} must be an iterable of devices or device ids, got "
@@ -633,6 +633,7 @@ def _build_plan(
 ) -> Plan:
     specs = []
     platforms: set[str] = set()
+    checked: dict[tuple[Sharding, Sharding, Sharding], set[str]] = {}
     for leaf in leaves:
         if leaf.kind == HOST:
             if avoid:
@@ -645,17 +646,24 @@ def _build_plan(
             src, dst = leaf.data_src_sharding, leaf.data_dst_sharding
             shape = key_data_shape(leaf.shape, leaf.dtype)
         assert src is not None and dst is not None
-        _check_distinct_devices(leaf.path or "<root>", leaf.dst_sharding)
-        devices: set[Any] = set(src.device_set | dst.device_set)
-        leaf_platforms = {d.platform for d in devices}
-        if len(leaf_platforms) > 1:
-            raise ValueError(
-                f"leaf {leaf.path or '<root>'}: source and destination devices mix platforms "
-                f"{sorted(leaf_platforms)}; reshard moves within one platform "
-                "(use jax.device_put to cross platforms)"
-            )
+        pair = (src, dst, leaf.dst_sharding)
+        leaf_platforms = checked.get(pair)
+        if leaf_platforms is None:
+            # Once per pair of shardings (every layer of a model has the same): these
+            # checks cost as much as planning the leaf.
+            _check_distinct_devices(leaf.path or "<root>", leaf.dst_sharding)
+            devices: set[Any] = set(src.device_set | dst.device_set)
+            leaf_platforms = {d.platform for d in devices}
+            if len(leaf_platforms) > 1:
+                raise ValueError(
+                    f"leaf {leaf.path or '<root>'}: source and destination devices mix "
+                    f"platforms {sorted(leaf_platforms)}; reshard moves within one platform "
+                    "(use jax.device_put to cross platforms)"
+                )
+            if avoid:
+                _check_destination_avoids(leaf.path or "<root>", dst, avoid)
+            checked[pair] = leaf_platforms
         platforms |= leaf_platforms
-        _check_destination_avoids(leaf.path or "<root>", dst, avoid)
         specs.append(
             LeafSpec(
                 leaf.path or "<root>",

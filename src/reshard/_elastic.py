@@ -89,7 +89,10 @@ def _recover_with_plan(
 
         def target(a: jax.Array) -> Any:
             s = a.sharding
-            if isinstance(s, SingleDeviceSharding) and device_id(next(iter(s.device_set))) in lost:
+            lost_here = isinstance(s, SingleDeviceSharding) and (
+                device_id(next(iter(s.device_set))) in lost
+            )
+            if lost_here and a.size:
                 # Its only copy is gone, and carry_shardings refuses a device off the
                 # mesh: any target on the mesh lets planning raise DataLossError naming it.
                 return NamedSharding(mesh, PartitionSpec(), memory_kind=s.memory_kind)

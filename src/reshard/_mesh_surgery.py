@@ -126,7 +126,7 @@ def _listed(devices: Iterable[Any], where: str = "") -> Iterable[Any]:
     if (
         isinstance(devices, str | bytes)
         or not isinstance(devices, Iterable)
-        or (isinstance(devices, np.ndarray) and devices.ndim == 0)
+        or getattr(devices, "ndim", None) == 0  # a 0-d numpy or JAX array
     ):
         raise TypeError(
             f"{where + ': ' if where else ''}expected a list of devices or device ids, got "
@@ -146,7 +146,7 @@ def check_allowed_sizes(allowed_sizes: Iterable[int] | None, where: str) -> tupl
     if (
         isinstance(allowed_sizes, str | bytes)
         or not isinstance(allowed_sizes, Iterable)
-        or (isinstance(allowed_sizes, np.ndarray) and allowed_sizes.ndim == 0)
+        or getattr(allowed_sizes, "ndim", None) == 0  # a 0-d numpy or JAX array
     ):
         raise ValueError(
             f"{where}: allowed_sizes must be a collection of integer sizes >= 1 of the axis, "
