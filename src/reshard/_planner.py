@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -413,18 +413,16 @@ def _stats(plans: Sequence[LeafPlan], rep_of: Sequence[int]) -> PlanStats:
     recv: dict[int, int] = defaultdict(int)
     peak: dict[int, int] = defaultdict(int)
     totals = [0] * 6  # array, total, moved, kept, lower bound, transfers
-    memo: dict[int, tuple[list[int], dict[int, int], dict[int, int], dict[int, int]]] = {}
-    for li, lp in enumerate(plans):
-        # Leaves sharing a representative's pieces share its numbers too.
-        hit = memo.get(rep_of[li])
-        if hit is None:
-            hit = memo[rep_of[li]] = _leaf_stats(lp)
-        nums, s, r, p = hit
+    # Leaves sharing a representative's pieces share its numbers too: each distinct
+    # one is counted once, times its number of leaves (in order of first appearance,
+    # which orders the devices of the dicts).
+    for rep, count in Counter(rep_of).items():
+        nums, s, r, p = _leaf_stats(plans[rep])
         for i, v in enumerate(nums):
-            totals[i] += v
+            totals[i] += v * count
         for acc, part in ((send, s), (recv, r), (peak, p)):
             for dev, v in part.items():
-                acc[dev] += v
+                acc[dev] += v * count
     array_bytes, bytes_total, bytes_moved, bytes_kept, lower, transfers = totals
     return PlanStats(
         array_bytes=array_bytes,
