@@ -2,7 +2,7 @@
 
 ``reshard demo`` shows, on simulated CPU devices, what the library does and how it
 compares with ``jax.device_put``; ``reshard plan`` explains a reshard of any number of
-synthetic devices without data; ``reshard bench`` runs the repository's benchmark suite.
+synthetic devices without data; ``reshard bench`` runs the benchmark suite packaged with it.
 
 Conventions every command follows:
 

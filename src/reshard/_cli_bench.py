@@ -1,4 +1,4 @@
-"""``reshard bench``: run the repository's benchmark suite and print its table of ratios.
+"""``reshard bench``: run the benchmark suite (packaged with the library) and print its table of ratios.
 
 The suite itself lives in ``reshard._bench`` (``benchmarks/bench.py`` runs the same
 code); this module only finds it, runs it and prints its rows. What it relies on:
