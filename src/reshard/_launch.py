@@ -125,8 +125,8 @@ class ProcessResult:
         stdout: everything the process wrote to stdout.
         stderr: everything the process wrote to stderr (tracebacks land here).
         value: the JSON-decoded return value of a ``module:function`` target, else None.
-        duration_s: seconds from start until the process ended (for a process that
-            failed on its own, until it reported the failure, just before exiting).
+        duration_s: seconds from start until the process ended (for one that failed on
+            its own, until its failure was caught: its traceback may take longer).
         terminated: the launcher killed it (timeout, a failed peer, or an interrupt).
         timed_out: the launcher killed it because ``timeout_s`` ran out.
     """
@@ -428,9 +428,9 @@ def _launch_once(
         ended_at: dict[int, float] = {}
         # When each child exited, taken by a thread blocked in its wait (the poll below
         # sees an exit up to _POLL_S late), and, read from its file, when a child that
-        # failed on its own said so just before exiting: a process failing because a
-        # peer died (gloo's "connection closed") often exits within the same poll, and
-        # then looked first as often as the process that caused it.
+        # failed on its own caught the failure: a process failing because a peer died
+        # (gloo's "connection closed") often exits within the same poll, and then
+        # looked first as often as the process that caused it.
         exited_at: dict[int, float] = {}
         terminated: set[int] = set()
         timed_out = False
