@@ -932,7 +932,10 @@ def test_manager_argument_errors():
     with pytest.raises(ValueError, match=r"allowed_sizes must be a collection .* got int: 1"):
         reshard.shrink_mesh(full, [4], "data", allowed_sizes=1)
     for zero_d in (np.array(2), jnp.array(2)):
-        with pytest.raises(ValueError, match=r"allowed_sizes must be a collection .*: Arr|arr"):
+        with pytest.raises(
+            ValueError,
+            match=r"allowed_sizes must be a collection .*got (ndarray|ArrayImpl): (a|A)rray\(2",
+        ):
             reshard.shrink_mesh(full, [4], "data", allowed_sizes=zero_d)
         with pytest.raises(TypeError, match=r"expected a list of devices .*pass \[device\]"):
             reshard.shrink_mesh(full, zero_d, "data")
