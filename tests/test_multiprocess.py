@@ -1250,6 +1250,53 @@ def test_random_cases_with_odd_counts_of_processes_and_devices(procs: int, devic
         assert r.value == {"host": want, "device": want}, f"process {r.process_id}: {r.value}"
 
 
+def _many_small_stages(reps: int) -> list[bool]:
+    """A case a fuzzer found: 144 small host-packed stages across 3 processes x 2
+    devices, repeated; whether each call's shards here match numpy."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+    from reshard import _collective_host as ch
+
+    ch.CHUNK_BYTES, ch.STAGE_BYTES, ch.MIN_STAGE_BYTES = 64, 256, 64
+    ch.WHOLE_BYTES, ch.WHOLE_ARRIVING_BYTES, ch.WHOLE_STAGE_BYTES = (128, 256), 64, 512
+    ch.BUNDLED = False
+    devs = np.array(jax.devices())
+    host = _ground_truth((768, 160), np.int8, 16)
+    src = NamedSharding(Mesh(devs[[2, 5]], ("x",)), P("x", None))
+    mesh = Mesh(devs[[5, 2, 4, 1, 3]].reshape(1, 1, 5), ("x", "y", "z"))
+    dst = NamedSharding(mesh, P(None, "z"))
+    x = jax.make_array_from_callback(host.shape, src, lambda i: host[i], dtype=host.dtype)
+    reshard.plan(x, dst, executor="collective", cache=False)
+    out = []
+    for _ in range(reps):
+        y = reshard.reshard(x, dst, executor="collective", cache_resharding_plans=True)
+        out.append(
+            y.sharding == dst
+            and all(
+                as_bits(s.data).tobytes() == as_bits(host[s.index]).tobytes()
+                for s in y.addressable_shards
+            )  # fmt: skip
+        )
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_many_small_stages_in_flight_do_not_deadlock() -> None:
+    # Every stage was dispatched as soon as it was packed, several in flight at once;
+    # XLA may run one program's parts on a process's devices at different times, and
+    # then two stages' collectives met in different orders on different processes: all
+    # three waited until RESHARD_COLLECTIVE_TIMEOUT_S (one run in three under load, with
+    # this case, before stages went one at a time).
+    results = launch_local(
+        f"{HERE}:_many_small_stages", 3, 2, args=[2], timeout_s=120,
+        env={"RESHARD_COLLECTIVE_TIMEOUT_S": "60"},
+    )  # fmt: skip
+    assert [r.value for r in results] == [[True, True]] * 3
+
+
 # --- in this process: the schedule, and the executor with one controller ----------
 
 

@@ -28,7 +28,10 @@ the kernel copies every byte twice) and the copies share a few cores:
   ``CHUNK_BYTES``.
 * **A pipeline of stages.** Chunks run as a sequence of programs (*stages*) of a few
   chunks each: while one stage is on the wire the sender packs the next and a helper
-  thread unpacks the one that arrived.
+  thread unpacks the one that arrived. One stage is in flight at a time: a stage is
+  dispatched once the one before has finished on this process's devices (two in
+  flight could meet in their collectives in different orders on different processes
+  and deadlock; a fuzzer found it with 3 processes x 2 devices).
 * **No fresh memory.** Every page touched for the first time costs a fault (about as
   much as copying it). Each stage's buffers, sent and received, are let go as soon as
   it is unpacked, so the next stages reuse the same memory: XLA's allocator recycles
@@ -663,6 +666,7 @@ def run_host_packed(
     failure: Exception | None = None
     reported = False  # whether the peers were told of it
     status: jax.Array | None = None
+    previous: list[jax.Array] = []  # the outputs of the stage last dispatched
     if program.local_devices:
         # A pipeline: this thread packs stage s + 1 while stage s is on the wire (XLA
         # runs it asynchronously), and a helper thread unpacks each stage on arrival.
@@ -679,9 +683,17 @@ def run_host_packed(
             if s == last:
                 reported = failure is not None
                 sent.append(common.status_input(program, reported))
+            if previous:
+                # One stage in flight at a time: XLA may run a program's parts on this
+                # process's devices at different times, and with two stages in flight
+                # their collectives met in different orders on different processes and
+                # deadlocked (3 processes x 2 devices, many small stages, under load).
+                # The next stage is still packed while this one travels.
+                jax.block_until_ready(previous)
             # A failure of the call itself is not survivable: whether this process
             # joined the stage's collectives is unknown, so it raises at once.
             received = list(program.compiled(s)(*sent))
+            previous = list(received)
             if s == last:
                 status = received.pop()
             if failure is None:
