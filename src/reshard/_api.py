@@ -13,7 +13,7 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -23,7 +23,7 @@ from . import _collective_common, _compat, _programs
 from ._errors import DataLossError
 from ._execute import _whole_copy, device_peak_extra, execute_plan, traced_leaf
 from ._geometry import box_from_index
-from ._mesh_surgery import device_id, device_ranges, repeated_ids
+from ._mesh_surgery import check_distinct_devices, device_id, device_ranges
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan, plan_processes
 from ._planner import LeafSpec, ShardSpec, plan_leaves
 
@@ -510,11 +510,7 @@ def _check_concrete(where: str, what: str, s: Sharding) -> None:
 def _check_distinct_devices(where: str, dst: Any) -> None:
     """Once per plan built (not per call): a mesh listing a device twice."""
     if isinstance(dst, NamedSharding) and dst.mesh.devices.size != len(dst.device_set):
-        twice = repeated_ids(d.id for d in dst.mesh.devices.flat)
-        raise ValueError(
-            f"leaf {where}: the destination mesh lists device(s) {twice} more than once; "
-            "a mesh needs distinct devices"
-        )
+        check_distinct_devices(cast(Mesh, dst.mesh), f"leaf {where}", "the destination mesh")
 
 
 def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices") -> frozenset[int]:

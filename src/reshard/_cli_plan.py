@@ -519,8 +519,8 @@ def run(args: argparse.Namespace, console: Any) -> int:
         idle = sorted(set(args.avoid) - set(src.devices))
         if idle:
             # Most likely a typo; harmless either way, so noted rather than refused.
-            which = f"device {idle[0]} holds" if len(idle) == 1 else "devices {} hold"
-            which = which.format(device_ranges(idle))
+            ids = device_ranges(idle)
+            which = f"device {ids} holds" if len(idle) == 1 else f"devices {ids} hold"
             avoiding += f"; {which} no source shard, which changes nothing"
         console.print(avoiding, highlight=False, soft_wrap=True)
     render_report(console, report)

@@ -24,12 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import SingleDeviceSharding
 
 from . import _collective_common as common
 from . import _compat
 from ._collective_common import AXIS, Copy, LeafBlocks
-from ._local_executor import bits_dtype, from_bits, in_compute_memory_all, to_bits
+from ._local_executor import bits_dtype, from_bits, in_compute_memory_all, in_memory_kinds, to_bits
 
 if TYPE_CHECKING:
     from ._collective_executor import CollectiveProgram
@@ -335,26 +334,18 @@ def assemble(
         for li, (src, out, sharding) in enumerate(zip(sources, outputs, shardings, strict=True))
     ]
     devs = [list(_compat.addressable_devices(s)) for s in shardings]
-    move = [
-        (li, k)
-        for li, s in enumerate(shardings)
-        if s.memory_kind is not None
-        for k, part in enumerate(parts[li])
-        if part.sharding.memory_kind != s.memory_kind
-    ]
-    if move:
-        placed = jax.device_put(
-            [parts[li][k] for li, k in move],
+    placed = iter(
+        in_memory_kinds(
             [
-                SingleDeviceSharding(devs[li][k], memory_kind=shardings[li].memory_kind)
-                for li, k in move
-            ],
+                (part, d, s.memory_kind)
+                for s, ps, ds in zip(shardings, parts, devs, strict=True)
+                for part, d in zip(ps, ds, strict=True)
+            ]
         )
-        for (li, k), part in zip(move, placed, strict=True):
-            parts[li][k] = part
+    )
     return [
-        common.finish(program.leaf_plans[li], program.dtypes[li], s, parts[li], devs[li])
-        for li, s in enumerate(shardings)
+        common.finish(program.leaf_plans[li], program.dtypes[li], s, [next(placed) for _ in ps], ds)
+        for li, (s, ps, ds) in enumerate(zip(shardings, parts, devs, strict=True))
     ]
 
 

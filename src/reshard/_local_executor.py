@@ -247,19 +247,31 @@ def in_compute_memory(a: jax.Array, device: Any) -> jax.Array:
 def in_compute_memory_all(shards: Sequence[tuple[jax.Array, Any]]) -> dict[int, jax.Array]:
     """``in_compute_memory`` for many ``(shard, device)`` pairs in one batched
     ``jax.device_put``: by ``id`` of each shard that had to move, its staged copy."""
+    # (A shard whose sharding names no memory kind is in the default one.)
+    named = [(a, d) for a, d in shards if a.sharding.memory_kind is not None]
+    placed = in_memory_kinds([(a, d, d.default_memory().kind) for a, d in named])
+    return {id(a): p for (a, _), p in zip(named, placed, strict=True) if p is not a}
+
+
+def in_memory_kinds(shards: Sequence[tuple[jax.Array, Any, str | None]]) -> list[jax.Array]:
+    """Each ``(shard, device, memory kind)``'s shard in that memory kind of its device
+    (``None``: where it is), those not there already moved in one batched
+    ``jax.device_put`` (a dispatch per call on accelerators, not per shard)."""
+    out = [a for a, _, _ in shards]
     move = [
-        (a, d) for a, d in shards if a.sharding.memory_kind not in (None, d.default_memory().kind)
+        i for i, (a, _, mk) in enumerate(shards) if mk is not None and a.sharding.memory_kind != mk
     ]
-    if not move:
-        return {}
-    placed = jax.device_put(
-        [a for a, _ in move],
-        [
-            jax.sharding.SingleDeviceSharding(d, memory_kind=d.default_memory().kind)
-            for _, d in move
-        ],
-    )
-    return {id(a): p for (a, _), p in zip(move, placed, strict=True)}
+    if move:
+        placed = jax.device_put(
+            [out[i] for i in move],
+            [
+                jax.sharding.SingleDeviceSharding(shards[i][1], memory_kind=shards[i][2])
+                for i in move
+            ],
+        )
+        for i, p in zip(move, placed, strict=True):
+            out[i] = p
+    return out
 
 
 def bits_dtype(dtype: Any) -> np.dtype:

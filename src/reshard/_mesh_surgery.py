@@ -110,14 +110,14 @@ def repeated_ids(ids: Iterable[Any]) -> list[Any]:
     return sorted(i for i, n in Counter(ids).items() if n > 1)
 
 
-def check_distinct_devices(mesh: Mesh, where: str) -> None:
+def check_distinct_devices(mesh: Mesh, where: str, what: str = "the mesh") -> None:
     """Raises ``ValueError`` when ``mesh`` lists a device more than once (JAX's ``Mesh``
-    allows it; no sharding of such a mesh can be resharded)."""
+    allows it; no sharding of such a mesh can be resharded). The message starts with
+    ``where`` and calls the mesh ``what``."""
     twice = repeated_ids(device_id(d) for d in mesh.devices.flat)
     if twice:
         raise ValueError(
-            f"{where}: the mesh lists device(s) {twice} more than once; a mesh holds each "
-            "device once"
+            f"{where}: {what} lists device(s) {twice} more than once; a mesh holds each device once"
         )
 
 
