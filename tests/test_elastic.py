@@ -961,6 +961,21 @@ def test_manager_argument_errors():
         reshard.recover(x, reshard.shrink_mesh(full, [4], "data"), np.array(4))
     with pytest.raises(TypeError, match=r"avoid_devices must be an iterable .*array\(4\)"):
         reshard.reshard(x, NamedSharding(full, P()), avoid_devices=np.array(4))
+    # A bad element of a device list: the message names the call it came from.
+    cases = [
+        ("shrink_mesh: lost_devices", lambda bad: reshard.shrink_mesh(full, [bad], "data")),
+        (
+            "grow_mesh",
+            lambda bad: reshard.grow_mesh(reshard.shrink_mesh(full, [4], "data"), [bad], "data"),
+        ),
+        ("DeviceLossError", lambda bad: reshard.DeviceLossError([bad])),
+        ("ElasticManager.mark_lost", lambda bad: em.mark_lost([bad])),
+        ("ElasticManager.mark_returned", lambda bad: em.mark_returned([bad])),
+    ]
+    for where, call in cases:
+        for bad in (True, 4.0, None):
+            with pytest.raises(ValueError, match=rf"^{where}: (?=.*{bad})(?=.*device id)"):
+                call(bad)
 
 
 @pytest.mark.parametrize(

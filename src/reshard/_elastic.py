@@ -60,7 +60,9 @@ class DeviceLossError(RuntimeError):
     """
 
     def __init__(self, devices: Iterable[Any], message: str | None = None) -> None:
-        self.devices = frozenset(device_id(d) for d in _listed(devices, "DeviceLossError"))
+        self.devices = frozenset(
+            device_id(d, "DeviceLossError") for d in _listed(devices, "DeviceLossError")
+        )
         super().__init__(message or f"devices {sorted(self.devices)} lost")
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -443,7 +445,10 @@ class ElasticManager:
             logger.info("devices %s reported back", sorted(ids))
 
     def _known(self, devices: Iterable[Any], where: str) -> set[int]:
-        ids = {device_id(d) for d in _listed(devices, f"ElasticManager.{where}")}
+        ids = {
+            device_id(d, f"ElasticManager.{where}")
+            for d in _listed(devices, f"ElasticManager.{where}")
+        }
         unknown = sorted(ids - self._all.keys())
         if unknown:
             raise ValueError(

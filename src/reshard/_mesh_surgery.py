@@ -28,11 +28,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 from . import _compat
 
 
-def device_id(d: Any) -> int:
+def device_id(d: Any, where: str = "") -> int:
     """The id of a device: ``d`` itself for an ``int``, else ``d.id``.
 
     Args:
       d: a ``jax.Device``, any object with an integer ``.id``, or an ``int``.
+      where: what the user called, to start the error message with.
 
     Returns:
       The integer id.
@@ -47,8 +48,8 @@ def device_id(d: Any) -> int:
     i = getattr(d, "id", None)
     if not isinstance(i, int | np.integer):
         raise ValueError(
-            f"expected a device (with an integer .id) or an integer device id, got "
-            f"{type(d).__name__}: {d!r}"
+            f"{where + ': ' if where else ''}expected a device (with an integer .id) or an "
+            f"integer device id, got {type(d).__name__}: {d!r}"
         )
     return int(i)
 
@@ -135,8 +136,8 @@ def _listed(devices: Iterable[Any], where: str = "") -> Iterable[Any]:
     return devices
 
 
-def _ids(devices: Iterable[Any]) -> list[int]:
-    return [device_id(d) for d in _listed(devices)]
+def _ids(devices: Iterable[Any], where: str) -> list[int]:
+    return [device_id(d, where) for d in _listed(devices, where)]
 
 
 def check_allowed_sizes(allowed_sizes: Iterable[int] | None, where: str) -> tuple[int, ...] | None:
@@ -202,7 +203,7 @@ def shrink_grid(
       [[0, 1, 2, 3]]
     """
     k = axis_position(axis_names, axis, "shrink_mesh")
-    lost = set(_ids(lost_devices))
+    lost = set(_ids(lost_devices, "shrink_mesh: lost_devices"))
     ids = grid_ids(devices)
     keep = clean_slices(ids, k, lost)
     n = len(keep)
@@ -256,8 +257,8 @@ def grow_grid(
       [[0, 1, 2, 3], [4, 5, 6, 7]]
     """
     k = axis_position(axis_names, axis, "grow_mesh")
-    new = list(new_devices)
-    new_ids = _ids(new)
+    new = list(_listed(new_devices, "grow_mesh"))
+    new_ids = _ids(new, "grow_mesh")
     slice_shape = devices.shape[:k] + devices.shape[k + 1 :]
     per_slice = math.prod(slice_shape)
     where = describe_grid(devices, axis_names)
