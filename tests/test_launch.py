@@ -661,6 +661,16 @@ def test_file_targets_import_modules_beside_them(tmp_path: Path) -> None:
     (scripted,) = launch_local(script, 1, 1, args=["x"], initialize=False, timeout_s=30)
     (called,) = launch_local(f"{script}:fn", 1, 1, initialize=False, timeout_s=30)
     assert scripted.stdout.strip() == "script 42 ['x']" and called.value == 42
+    # A relative file target is found in cwd, where the children run. A missing file,
+    # or a cwd that is not a directory, is refused before any process starts.
+    (relative,) = launch_local("uses_helper.py:fn", 1, 1, initialize=False, cwd=sub)
+    assert relative.value == 42
+    with pytest.raises(FileNotFoundError, match=r"file 'sub/uses_helper.py' does not exist in"):
+        launch_local("sub/uses_helper.py:fn", 1, 1, cwd=sub)
+    with pytest.raises(FileNotFoundError, match=r"file '.*none.py' does not exist in"):
+        launch_local(str(tmp_path / "none.py"), 1, 1)
+    with pytest.raises(FileNotFoundError, match=r"cwd '.*nowhere' is not a directory"):
+        launch_local("uses_helper.py:fn", 1, 1, cwd=tmp_path / "nowhere")
 
 
 def test_an_interrupt_while_ending_the_children_still_kills_them(

@@ -252,7 +252,8 @@ def launch_local(
     Args:
         target: what every process runs, one of: ``"pkg.module:function"`` or
             ``"path/to/file.py:function"`` (called as ``function(*args)``; its return
-            value must be JSON-serialisable and comes back as ``ProcessResult.value``);
+            value must be JSON-serialisable and comes back as ``ProcessResult.value``,
+            through JSON: tuples as lists, dict keys as text);
             ``"path/to/script.py"`` or ``"pkg.module"`` (run as ``__main__`` with
             ``sys.argv[1:] == [str(a) for a in args]``).
         num_processes: how many processes (>= 1).
@@ -277,7 +278,8 @@ def launch_local(
             so that processes of a run may finish any time apart within it.
         peer_failure_grace_s: after a process fails, how long the others may keep
             running (to report their own error) before the launcher kills them.
-        cwd: working directory of the children (default: the current one).
+        cwd: working directory of the children (default: the current one); a
+            relative file target is found there.
 
     Returns:
         One :class:`ProcessResult` per process, in process-id order.
@@ -287,6 +289,8 @@ def launch_local(
         ValueError: a count or timeout is out of range or not a number, ``target`` is
             empty, ``env`` holds a name that is not text or a value that is
             not text, bytes or a path, or ``args`` is not JSON-serialisable.
+        FileNotFoundError: ``cwd`` is not a directory, or a file target does not
+            exist; nothing was started.
         LaunchError: with ``check=True``, when any process failed or timed out; the
             message names the process that failed first and shows its stderr tail.
     """
@@ -349,6 +353,7 @@ def launch_local(
                 "launch_local env maps variable names (text) to values (text, bytes or "
                 f"paths); these do not (name: type of value): {bad_env}."
             )
+    _check_files(target, cwd)
     if isinstance(args, str | bytes | Mapping) or not isinstance(args, Iterable):
         raise ValueError(
             "launch_local args are the target's positional arguments, as a list or tuple; "
@@ -397,6 +402,23 @@ def launch_local(
             )
         raise LaunchError(message, results)
     return results
+
+
+def _check_files(target: str, cwd: str | os.PathLike[str] | None) -> None:
+    """Up front, not in every child after JAX starts: ``cwd`` is a directory and a
+    file target exists (a relative one in ``cwd``, where the children look for it)."""
+    base = Path.cwd() if cwd is None else Path(cwd)
+    if cwd is not None and not base.is_dir():
+        raise FileNotFoundError(
+            f"launch_local cwd {str(cwd)!r} is not a directory (the children's working "
+            f"directory, relative to {str(Path.cwd())!r})"
+        )
+    where = target if target.endswith(".py") else target.rpartition(":")[0]
+    if where.endswith(".py") and not (base / target).exists() and not (base / where).is_file():
+        raise FileNotFoundError(
+            f"launch_local target file {where!r} does not exist in {str(base)!r} (a "
+            f"relative path is taken from cwd, the children's working directory)"
+        )
 
 
 def _launch_once(
