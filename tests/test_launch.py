@@ -385,7 +385,9 @@ def test_a_coordinator_port_taken_before_process_0_binds_it_is_replaced(
 
     from reshard import _launch
 
-    # Another program takes the port between free_port() and process 0's bind.
+    # Another program has the port before process 0 binds it (as where the platform
+    # lacks SO_REUSEPORT and the launcher cannot hold it).
+    claim = _launch._claim_port
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -393,12 +395,14 @@ def test_a_coordinator_port_taken_before_process_0_binds_it_is_replaced(
         ports = iter([held])
         chosen: list[int] = []
 
-        def next_port(host: str = "127.0.0.1") -> int:
-            chosen.append(next(ports, None) or _launch.free_port.__wrapped__(host))
-            return chosen[-1]
+        def next_port(host: str = "127.0.0.1") -> tuple[int, socket.socket | None]:
+            port, holder = next(ports, None), None
+            if port is None:
+                port, holder = claim(host)
+            chosen.append(port)
+            return port, holder
 
-        next_port.__wrapped__ = _launch.free_port  # type: ignore[attr-defined]
-        monkeypatch.setattr(_launch, "free_port", next_port)
+        monkeypatch.setattr(_launch, "_claim_port", next_port)
         t0 = time.monotonic()
         results = launch_local(f"{HERE}:_target_count_runs", 2, 2, args=[str(tmp_path)])
         elapsed = time.monotonic() - t0
@@ -703,16 +707,22 @@ def test_an_interrupt_while_ending_the_children_still_kills_them(
 
 
 def test_the_coordinators_port_is_held_for_the_launch() -> None:
-    """While held, no other program's ``bind`` to port 0 gets the port (another launch's
-    coordinator, which binds with SO_REUSEPORT, would share it), and a plain bind to
-    it fails; a gRPC server (SO_REUSEPORT) may still listen on it."""
+    """Held from the moment it is chosen. While held, no other program's ``bind`` to
+    port 0 gets the port (another launch's coordinator, which binds with SO_REUSEPORT,
+    would share it), and a plain bind to it fails; a gRPC server (SO_REUSEPORT) may
+    still listen on it."""
     import socket
 
-    held = _launch._hold_port(_launch.free_port())
-    assert held is not None
-    port = held.getsockname()[1]
+    port, held = _launch._claim_port()
+    assert held is not None and held.getsockname()[1] == port
     try:
         assert port not in {_launch.free_port() for _ in range(3000)}
+        # Nor does another launch's claim (which binds port 0 with SO_REUSEPORT).
+        others = [_launch._claim_port() for _ in range(300)]
+        assert port not in {p for p, _ in others}
+        for _, h in others:
+            assert h is not None
+            h.close()
         with socket.socket() as plain, pytest.raises(OSError):
             plain.bind(("127.0.0.1", port))
         with socket.socket() as server:

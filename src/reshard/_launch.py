@@ -169,6 +169,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _claim_port(host: str = "127.0.0.1") -> tuple[int, socket.socket | None]:
+    """A free port for the coordinator, held from the moment it is chosen: the OS picks
+    it for a socket bound as ``_hold_port`` binds (ports it hands out for ``bind`` to
+    port 0 are never shared, ``SO_REUSEPORT`` or not), so no other program can take it
+    between the choice and the hold. Where the platform lacks ``SO_REUSEPORT``:
+    ``free_port``'s port, not held."""
+    holder = _hold_port(0, host)
+    if holder is None:
+        return free_port(host), None
+    return int(holder.getsockname()[1]), holder
+
+
 def _hold_port(port: int, host: str = "127.0.0.1") -> socket.socket | None:
     """A socket bound to ``port`` with ``SO_REUSEPORT``, never listening, or ``None``
     where the port is taken already (or the platform lacks ``SO_REUSEPORT``).
@@ -244,7 +256,7 @@ def launch_local(
     Each process gets ``devices_per_process`` simulated CPU devices, gloo collectives and
     the coordinator address of a free port on 127.0.0.1, so the processes together see
     ``num_processes * devices_per_process`` global devices (``jax.devices()``). The
-    launcher holds that port for the launch (``_hold_port``). Should another program
+    launcher holds that port for the launch (``_claim_port``). Should another program
     take it before process 0 binds it, the launch starts again on another port (up to
     3 ports, within ``timeout_s``; with ``initialize=True`` only: the launcher must see
     the bind fail); the target has not run then.
@@ -372,8 +384,7 @@ def launch_local(
     # starts again on another port, within the same timeout.
     deadline = time.monotonic() + timeout_s
     for attempt in range(_PORT_ATTEMPTS):
-        port = free_port()
-        holder = _hold_port(port)  # (None: taken already; process 0 will find it so)
+        port, holder = _claim_port()
         try:
             results, port_taken = _launch_once(
                 target,
