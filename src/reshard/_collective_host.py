@@ -56,7 +56,7 @@ receiver's one copy per byte (~50 core-ms per 288 MiB; cutting column blocks out
 memory not in cache runs at ~6 GB/s here, a plain copy at ~14) competes with the
 kernel's loopback copies, and the stages' transfers slow down while it runs. Copying
 row bands through a cached scratch buffer first was 1.7x faster alone and no faster
-in place (docs/multiprocess.md). Measured and not better there (each in its own
+in place (docs/performance-record.md). Measured and not better there (each in its own
 plan, several launches): sending 256 KiB shards whole instead of packing them;
 packing everything on the sender; and senders assembling each destination block so
 that the receiver copies nothing, which moved the same copying to the sender (branch
