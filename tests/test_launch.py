@@ -677,6 +677,24 @@ def test_file_targets_import_modules_beside_them(tmp_path: Path) -> None:
         launch_local("uses_helper.py:fn", 1, 1, cwd=tmp_path / "nowhere")
 
 
+def test_a_launch_at_the_top_level_of_a_function_targets_file_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Without an ``if __name__ == "__main__":`` guard, every child importing the file
+    would launch again (and their children too): refused in the children, at once."""
+    (tmp_path / "unguarded.py").write_text(
+        "import os, pathlib\nfrom reshard import launch_local\n\n"
+        f"pathlib.Path({str(tmp_path)!r}, f'imported_{{os.getpid()}}').touch()\n\n\n"
+        "def main():\n    return 1\n\n\n"
+        "launch_local(f'{__file__}:main', 2, 1, initialize=False, timeout_s=60)\n"
+    )
+    with pytest.raises(
+        LaunchError, match=r"(?s)imports its target .*unguarded.py:main.*__name__ == \"__main__\""
+    ):
+        launch_local(f"{tmp_path / 'unguarded.py'}:main", 2, 1, initialize=False, timeout_s=60)
+    assert len(list(tmp_path.glob("imported_*"))) == 2  # the two children, no more
+
+
 def test_an_interrupt_while_ending_the_children_still_kills_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

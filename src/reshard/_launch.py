@@ -297,6 +297,9 @@ def launch_local(
         One :class:`ProcessResult` per process, in process-id order.
 
     Raises:
+        RuntimeError: called at the top level of a function target's module while a
+            launched process imports it (the launch belongs under ``if __name__ ==
+            "__main__":``; the module is imported in every process).
         TypeError: ``target`` is not text.
         ValueError: a count or timeout is out of range or not a number, ``target`` is
             empty, ``env`` holds a name that is not text or a value that is
@@ -306,6 +309,13 @@ def launch_local(
         LaunchError: with ``check=True``, when any process failed or timed out; the
             message names the process that failed first and shows its stderr tail.
     """
+    if _importing is not None:
+        raise RuntimeError(
+            f"launch_local called while this launched process imports its target "
+            f"{_importing!r}: every process would launch again. A function target's "
+            f"module is imported in each process, not run as __main__; put the launch "
+            f'under `if __name__ == "__main__":`'
+        )
     if not isinstance(target, str):
         raise TypeError(
             "launch_local target names what to run, as text: 'pkg.module:function', "
@@ -905,8 +915,23 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="reshard-launch-watchdog", daemon=True).start()
 
 
+# The function target a launched child is importing, while it does: a launch_local at
+# the top level of that module (no ``if __name__ == "__main__":`` guard) would launch
+# again from every child, and so on.
+_importing: str | None = None
+
+
 def _resolve_function(target: str) -> Any:
     """``"pkg.mod:fn"`` or ``"path/file.py:fn"`` -> the function object."""
+    global _importing
+    _importing = target
+    try:
+        return _import_function(target)
+    finally:
+        _importing = None
+
+
+def _import_function(target: str) -> Any:
     where, _, name = target.rpartition(":")
     if where.endswith(".py"):
         path = Path(where).resolve()
