@@ -675,6 +675,11 @@ def test_file_targets_import_modules_beside_them(tmp_path: Path) -> None:
         launch_local(str(tmp_path / "none.py"), 1, 1)
     with pytest.raises(FileNotFoundError, match=r"cwd '.*nowhere' is not a directory"):
         launch_local("uses_helper.py:fn", 1, 1, cwd=tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"cwd '' is not a directory"):
+        launch_local("uses_helper.py:fn", 1, 1, cwd="")  # (Popen refuses it too)
+    cwd_bytes = os.fsencode(sub)  # as Popen takes it
+    (in_bytes,) = launch_local("uses_helper.py:fn", 1, 1, initialize=False, cwd=cwd_bytes)  # type: ignore[arg-type]
+    assert in_bytes.value == 42
 
 
 def test_a_launch_at_the_top_level_of_a_function_targets_file_is_refused(
@@ -693,6 +698,31 @@ def test_a_launch_at_the_top_level_of_a_function_targets_file_is_refused(
     ):
         launch_local(f"{tmp_path / 'unguarded.py'}:main", 2, 1, initialize=False, timeout_s=60)
     assert len(list(tmp_path.glob("imported_*"))) == 2  # the two children, no more
+
+
+def test_only_the_thread_importing_the_target_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread of the child may launch while the target imports; a launch made
+    from the target's function (after its import) is not refused either."""
+    (tmp_path / "launches_in_threads.py").write_text(
+        "import threading\nfrom reshard import launch_local\n\nseen = {}\n\n\n"
+        "def attempt(who):\n    try:\n        launch_local('x:y', num_processes=0)\n"
+        "    except Exception as e:\n        seen[who] = type(e).__name__\n\n\n"
+        "t = threading.Thread(target=attempt, args=('other thread',))\nt.start()\n"
+        "t.join()\nattempt('importing thread')\n\n\n"
+        "def fn():\n    attempt('function')\n    return seen\n"
+    )
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    fn = _launch._resolve_function(f"{tmp_path / 'launches_in_threads.py'}:fn")
+    sys.modules.pop("_reshard_launch_launches_in_threads", None)
+    # (ValueError: the launch went on to check its arguments, so it was not refused.)
+    assert fn() == {
+        "other thread": "ValueError",
+        "importing thread": "RuntimeError",
+        "function": "ValueError",
+    }
+    assert _launch._importing is None
 
 
 def test_an_interrupt_while_ending_the_children_still_kills_them(

@@ -309,10 +309,11 @@ def launch_local(
         LaunchError: with ``check=True``, when any process failed or timed out; the
             message names the process that failed first and shows its stderr tail.
     """
-    if _importing is not None:
+    importing = _importing
+    if importing is not None and importing[1] == threading.get_ident():
         raise RuntimeError(
             f"launch_local called while this launched process imports its target "
-            f"{_importing!r}: every process would launch again. A function target's "
+            f"{importing[0]!r}: every process would launch again. A function target's "
             f"module is imported in each process, not run as __main__; put the launch "
             f'under `if __name__ == "__main__":`'
         )
@@ -428,8 +429,8 @@ def launch_local(
 def _check_files(target: str, cwd: str | os.PathLike[str] | None) -> None:
     """Up front, not in every child after JAX starts: ``cwd`` is a directory and a
     file target exists (a relative one in ``cwd``, where the children look for it)."""
-    base = Path.cwd() if cwd is None else Path(cwd)
-    if cwd is not None and not base.is_dir():
+    base = Path.cwd() if cwd is None else Path(os.fsdecode(cwd))
+    if cwd is not None and (not os.fsdecode(cwd) or not base.is_dir()):
         raise FileNotFoundError(
             f"launch_local cwd {str(cwd)!r} is not a directory (the children's working "
             f"directory, relative to {str(Path.cwd())!r})"
@@ -915,16 +916,17 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="reshard-launch-watchdog", daemon=True).start()
 
 
-# The function target a launched child is importing, while it does: a launch_local at
-# the top level of that module (no ``if __name__ == "__main__":`` guard) would launch
-# again from every child, and so on.
-_importing: str | None = None
+# The function target a launched child is importing, and the thread importing it,
+# while it does: a launch_local at the top level of that module (no ``if __name__ ==
+# "__main__":`` guard) would launch again from every child, and so on. (Other threads
+# may launch meanwhile.)
+_importing: tuple[str, int] | None = None
 
 
 def _resolve_function(target: str) -> Any:
     """``"pkg.mod:fn"`` or ``"path/file.py:fn"`` -> the function object."""
     global _importing
-    _importing = target
+    _importing = (target, threading.get_ident())
     try:
         return _import_function(target)
     finally:
