@@ -179,6 +179,27 @@ def test_llm_like_tree_splits_into_chunks_and_stages() -> None:
         simulate(fsdp_to_tp(), 2, True, 0)
 
 
+@pytest.mark.parametrize("alias", [False, True])
+def test_arrays_of_one_geometry_get_their_own_copies_and_pieces(alias: bool) -> None:
+    """A model's layers repeat shapes: their copies and the schedule's geometry are
+    worked out once per shape, and each array still gets copies of its own index."""
+    from reshard._collective_common import _leaf_copies
+
+    leaves = fsdp_to_tp() * 3 + [fsdp_to_tp()[0][:2] + ((64, 32), "int8")] * 2
+    xs = [jax.ShapeDtypeStruct(shape, dt, sharding=s) for s, _, shape, dt in leaves]
+    p = reshard.plan(xs, [d for _, d, _, _ in leaves], executor="host", cache=False)
+    assert p.leaf_plans[0].moved is p.leaf_plans[2].moved  # (shared: the case tested)
+    ids = sorted({s.device for lp in p.leaf_plans for s in (*lp.spec.src, *lp.spec.dst)})
+    position = {d: k for k, d in enumerate(ids)}
+    blocks, keep, copies = all_copies(p.leaf_plans, position, alias)
+    one_by_one = [_leaf_copies(li, lp, position, alias) for li, lp in enumerate(p.leaf_plans)]
+    assert blocks == [b for b, _, _ in one_by_one]
+    assert keep == [k for _, _, k in one_by_one] and keep[0] is not keep[2]
+    assert copies == [c for _, cs, _ in one_by_one for c in cs]
+    with tiny_buffers():
+        simulate(leaves, 2, alias, 0)
+
+
 def fsdp_to_tp() -> list:
     devs = np.array(jax.devices())
     src = NamedSharding(jax.sharding.Mesh(devs[:4], ("f",)), jax.sharding.PartitionSpec("f"))

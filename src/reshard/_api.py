@@ -92,8 +92,8 @@ def reshard(
         them always, when donating too. See ``Plan.execute``.
       cache_resharding_plans: keep the plan in a bounded LRU cache keyed by avals,
         shardings and options, so repeated calls do not plan again (nor, across
-        processes, build their schedule and check it with the others again: 12-16%
-        of a 288 MiB relayout there, in two launches). Compiled programs are shared by equal plans
+        processes, build their schedule and check it with the others again: ~10%
+        of a 288 MiB relayout there). Compiled programs are shared by equal plans
         either way (the last 256, each freed when dropped), so calls do not compile
         again even without it.
       executor: ``"auto"`` (default), ``"host"`` (CPU only), ``"device"`` or

@@ -163,10 +163,22 @@ def all_copies(
     blocks: list[LeafBlocks] = []
     keep: list[set[int]] = []
     copies: list[Copy] = []
+    # Arrays of one geometry share their pieces and shards (``plan_leaves``): their
+    # copies differ only in the array's index, so they are worked out once. (Identities
+    # are safe: every object named is held by ``leaf_plans``.)
+    seen: dict[tuple[Any, ...], tuple[LeafBlocks, list[Copy], set[int]]] = {}
     for li, lp in enumerate(leaf_plans):
-        b, cs, k = _leaf_copies(li, lp, position, aliases[li])
-        blocks.append(b)
-        keep.append(k)
+        spec = lp.spec
+        ids = (id(lp.kept), id(lp.moved), id(lp.reused), id(spec.src), id(spec.dst))
+        key: tuple[Any, ...] = (*ids, len(spec.shape), aliases[li])
+        done = seen.get(key)
+        if done is None:
+            done = seen[key] = _leaf_copies(li, lp, position, aliases[li])
+            cs = done[1]
+        else:
+            cs = [(li, *c[1:]) for c in done[1]]
+        blocks.append(done[0])
+        keep.append(set(done[2]))
         copies.extend(cs)
     return blocks, keep, copies
 

@@ -358,6 +358,28 @@ class HostSchedule:
             else:
                 crossing[(c[0], c[1], process[c[2]])].append(c)
 
+        # Arrays of one geometry (a model's layers) repeat the same pieces but for their
+        # array's index: the geometry below is worked out once per distinct set of
+        # pieces (~half of this schedule's build for an LLM-shaped tree).
+        covered: dict[Any, bool] = {}
+        cut: dict[Any, list[tuple[int, tuple[slice, ...], tuple[slice, ...]]]] = {}
+
+        def covers(cs: Sequence[Copy], block: tuple[int, ...]) -> bool:
+            key = (block, tuple(c[3:5] for c in cs))
+            got = covered.get(key)
+            if got is None:
+                got = covered[key] = _covers(cs, block)
+            return got
+
+        def cuts(
+            cs: Sequence[Copy], r0: int, part: tuple[int, ...]
+        ) -> list[tuple[int, tuple[slice, ...], tuple[slice, ...]]]:
+            key = (tuple(c[2:] for c in cs), r0, part)
+            got = cut.get(key)
+            if got is None:
+                got = cut[key] = _cuts(cs, r0, part)
+            return got
+
         # Where a destination process needs all of a source shard, the shard itself is
         # sent, once, to one of its devices, and the process copies every piece out of
         # it: the sender copies nothing, and bytes that several of its devices need
@@ -373,9 +395,9 @@ class HostSchedule:
             # sent in one part, what arrives is that destination block.
             whole = [c for c in cs if c[3] == block == blocks[li].dst_block and parts == 1]
             least = min(WHOLE_BYTES[0], WHOLE_ARRIVING_BYTES) if whole else WHOLE_BYTES[0]
-            if WHOLE_BYTES[1] > 0 and least <= nbytes and parts <= block[0] and _covers(cs, block):
+            if WHOLE_BYTES[1] > 0 and least <= nbytes and parts <= block[0] and covers(cs, block):
                 forward.append((nbytes, li, src, cs, parts, whole))
-            elif BUNDLED and block and len(cs) > 1 and _covers(cs, block):
+            elif BUNDLED and block and len(cs) > 1 and covers(cs, block):
                 bundled.append((nbytes, li, src, cs))
             else:
                 for c in cs:
@@ -407,8 +429,8 @@ class HostSchedule:
                     ops.append((land, (-1, land, 0, size, li, dst_block, None, None)))
                     if process[land] == me:
                         self.arrive_whole.add((li, land))
-                cut = [c for c in cs if not whole or c is not whole[0]]
-                for writer, take, put in _cuts(cut, r0, part):
+                rest = [c for c in cs if not whole or c is not whole[0]]
+                for writer, take, put in cuts(rest, r0, part):
                     ops.append((writer, (-1, land, 0, size, li, part, take, put)))
                 takes[(li, src, land, r0)] = ops
         # Smaller shards that a process needs all of, wanted by several of its devices:
@@ -458,7 +480,7 @@ class HostSchedule:
                                 writes[land].append((k, land, off, end, li, cp[3], None, put))
                                 continue
                             # Rows of a bundled shard: its pieces are cut out here.
-                            for writer, take, put in _cuts(shards, cp[4][0], cp[3]):
+                            for writer, take, put in cuts(shards, cp[4][0], cp[3]):
                                 writes[writer].append((k, land, off, end, li, cp[3], take, put))
             self.pack.append({p: _pack_ops(v, itemsizes) for p, v in sends.items()})
             self.unpack.append({p: (_written(v, itemsizes), v) for p, v in writes.items()})
