@@ -23,7 +23,7 @@ from . import _collective_common, _compat, _programs
 from ._errors import DataLossError
 from ._execute import _whole_copy, device_peak_extra, execute_plan, traced_leaf
 from ._geometry import box_from_index
-from ._mesh_surgery import check_distinct_devices, device_id, device_ranges
+from ._mesh_surgery import check_distinct_devices, device_id, device_ranges, not_a_collection
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan, plan_processes
 from ._planner import LeafSpec, ShardSpec, plan_leaves
 
@@ -520,11 +520,7 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices")
     errors name the argument as ``what``."""
     if avoid_devices is None:
         return frozenset()
-    if (
-        isinstance(avoid_devices, str | bytes | jax.Device)
-        or not isinstance(avoid_devices, Iterable)
-        or getattr(avoid_devices, "ndim", None) == 0  # a 0-d numpy or JAX array
-    ):
+    if not_a_collection(avoid_devices):
         raise TypeError(
             f"{what} must be an iterable of devices or device ids, got "
             f"{type(avoid_devices).__name__}: {avoid_devices!r} (for one device, pass [device])"

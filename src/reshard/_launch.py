@@ -429,8 +429,9 @@ def launch_local(
 def _check_files(target: str, cwd: str | os.PathLike[str] | None) -> None:
     """Up front, not in every child after JAX starts: ``cwd`` is a directory and a
     file target exists (a relative one in ``cwd``, where the children look for it)."""
-    base = Path.cwd() if cwd is None else Path(os.fsdecode(cwd))
-    if cwd is not None and (not os.fsdecode(cwd) or not base.is_dir()):
+    given = None if cwd is None else os.fsdecode(cwd)
+    base = Path.cwd() if given is None else Path(given)
+    if given is not None and (not given or not base.is_dir()):
         raise FileNotFoundError(
             f"launch_local cwd {str(cwd)!r} is not a directory (the children's working "
             f"directory, relative to {str(Path.cwd())!r})"

@@ -122,13 +122,17 @@ def check_distinct_devices(mesh: Mesh, where: str, what: str = "the mesh") -> No
         )
 
 
+def not_a_collection(x: Any) -> bool:
+    """Whether ``x`` is one value where a collection is wanted: text, a non-iterable (a
+    number, a device) or a 0-d numpy or JAX array (which only looks iterable)."""
+    return (
+        isinstance(x, str | bytes) or not isinstance(x, Iterable) or getattr(x, "ndim", None) == 0
+    )
+
+
 def _listed(devices: Iterable[Any], where: str = "") -> Iterable[Any]:
     """``devices`` itself, once checked to be a collection and not one device or id."""
-    if (
-        isinstance(devices, str | bytes)
-        or not isinstance(devices, Iterable)
-        or getattr(devices, "ndim", None) == 0  # a 0-d numpy or JAX array
-    ):
+    if not_a_collection(devices):
         raise TypeError(
             f"{where + ': ' if where else ''}expected a list of devices or device ids, got "
             f"{type(devices).__name__}: {devices!r} (for one device, pass [device])"
@@ -144,11 +148,7 @@ def check_allowed_sizes(allowed_sizes: Iterable[int] | None, where: str) -> tupl
     """``allowed_sizes`` as a sorted tuple of distinct sizes, each an integer >= 1."""
     if allowed_sizes is None:
         return None
-    if (
-        isinstance(allowed_sizes, str | bytes)
-        or not isinstance(allowed_sizes, Iterable)
-        or getattr(allowed_sizes, "ndim", None) == 0  # a 0-d numpy or JAX array
-    ):
+    if not_a_collection(allowed_sizes):
         raise ValueError(
             f"{where}: allowed_sizes must be a collection of integer sizes >= 1 of the axis, "
             f"e.g. (1, 2, 4); got {type(allowed_sizes).__name__}: {allowed_sizes!r}"
@@ -258,7 +258,7 @@ def grow_grid(
     """
     k = axis_position(axis_names, axis, "grow_mesh")
     new = list(_listed(new_devices, "grow_mesh"))
-    new_ids = _ids(new, "grow_mesh")
+    new_ids = [device_id(d, "grow_mesh") for d in new]
     slice_shape = devices.shape[:k] + devices.shape[k + 1 :]
     per_slice = math.prod(slice_shape)
     where = describe_grid(devices, axis_names)
