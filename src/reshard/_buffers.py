@@ -44,18 +44,57 @@ def align_up(n: int) -> int:
 # own loop over the elements is faster.
 ROW_ITEM_BYTES = 64
 
+try:  # optional C extension (``_fastcopy.c``); without it, numpy makes every copy
+    from . import _fastcopy
+except ImportError:  # pragma: no cover - not built (no C compiler at install)
+    _fastcopy = None  # type: ignore[assignment]
+
+# Copies of this many bytes or more, with contiguous last axes, are made by
+# ``_fastcopy`` (each contiguous run one memcpy, without the GIL) where it is built and
+# ``RESHARD_NATIVE_COPY`` is not 0; those of ``STREAM_COPY_BYTES`` or more are written
+# with non-temporal stores (x86-64), which skip the cache: their destination (a send
+# buffer, an output shard) is not read again soon, and they are larger than the L2.
+NATIVE_COPY_BYTES = 64 << 10
+STREAM_COPY_BYTES = 1 << 20
+NATIVE_COPY = _fastcopy is not None and os.environ.get("RESHARD_NATIVE_COPY", "1") != "0"
+NATIVE = "native"  # the local executor's mark for a copy it makes by ``native_copy``
+
+
+def native_copy(dst: np.ndarray, src: np.ndarray) -> bool:
+    """``dst[...] = src`` through ``_fastcopy`` where that applies (see
+    ``NATIVE_COPY_BYTES``); ``False``, having copied nothing, where it does not."""
+    n = dst.nbytes
+    if (
+        not NATIVE_COPY
+        or n < NATIVE_COPY_BYTES
+        or not dst.ndim
+        or dst.shape != src.shape
+        or dst.dtype != src.dtype
+        or dst.strides[-1] != dst.itemsize
+        or src.strides[-1] != src.itemsize
+    ):
+        return False
+    try:
+        _fastcopy.copy(dst.view(np.uint8), src.view(np.uint8), n >= STREAM_COPY_BYTES)
+    except ValueError:  # overlapping bytes, or a layout numpy cannot view as bytes
+        return False
+    return True
+
 
 def copy_into(dst: np.ndarray, src: np.ndarray, at: tuple[slice, ...] = ()) -> None:
     """``dst[at] = src``, for ``dst[at]`` and ``src`` of one shape and element type, bit
     for bit.
 
-    Where both are strided (a piece cut out of a block, or written into one) with
-    short contiguous rows along their last axis, each row is copied as one raw item:
-    numpy then runs one loop over the rows, where it would otherwise restart its inner
-    loop for every row of a few elements (``ROW_ITEM_BYTES``).
+    Large copies go through the C extension where it is built (``native_copy``).
+    Otherwise, where both are strided (a piece cut out of a block, or written into
+    one) with short contiguous rows along their last axis, each row is copied as one
+    raw item: numpy then runs one loop over the rows, where it would otherwise restart
+    its inner loop for every row of a few elements (``ROW_ITEM_BYTES``).
     """
     if at:
         dst = dst[at]  # slices: a view
+    if native_copy(dst, src):
+        return
     row = row_item(dst, src)
     if row is not None:
         copy_rows(dst, src, row)

@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _buffers, _compat, _programs
-from ._buffers import carve, copy_into, copy_rows, host_empty
+from ._buffers import NATIVE, carve, copy_into, copy_rows, host_empty, native_copy
 from ._geometry import box_shape, relative_slices
 from ._planner import LeafPlan
 
 # (source shard index, slices into the source shard, slices into the destination
-# shard, the raw row item to copy by or ``None``: see ``copy_mode``)
-Copy = tuple[int, tuple[slice, ...], tuple[slice, ...], "np.dtype | None"]
+# shard, the raw row item to copy by, ``NATIVE`` or ``None``: see ``copy_mode``)
+Copy = tuple[int, tuple[slice, ...], tuple[slice, ...], "np.dtype | str | None"]
 
 
 def _c_contiguous(piece: tuple[int, ...], full: tuple[int, ...]) -> bool:
@@ -58,10 +58,14 @@ def _c_contiguous(piece: tuple[int, ...], full: tuple[int, ...]) -> bool:
 
 def copy_mode(
     piece: tuple[int, ...], src: tuple[int, ...], dst: tuple[int, ...], itemsize: int
-) -> np.dtype | None:
+) -> np.dtype | str | None:
     """How ``copy_into`` would copy a piece of shape ``piece`` from a C-contiguous
     source shard of shape ``src`` into one of shape ``dst``, decided once per plan from
-    the shapes: by raw rows of this item type, or (``None``) by plain assignment."""
+    the shapes: by the C extension (``NATIVE``: a slice of a C-contiguous array has a
+    contiguous last axis), by raw rows of this item type, or (``None``) by plain
+    assignment."""
+    if piece and _buffers.NATIVE_COPY and math.prod(piece) * itemsize >= _buffers.NATIVE_COPY_BYTES:
+        return NATIVE
     if len(piece) < 2 or piece[-1] <= 1 or piece[-1] * itemsize > _buffers.ROW_ITEM_BYTES:
         return None
     if _c_contiguous(piece, src) and _c_contiguous(piece, dst):
@@ -119,6 +123,10 @@ def _fill(
             v = views[si] = np.asarray(bufs[src_specs[si].device])
         if row is None:
             out[dsl] = v[ssl]
+        elif isinstance(row, str):  # NATIVE
+            d, s = out[dsl], v[ssl]
+            if not native_copy(d, s):  # pragma: no cover - a source with a strided last axis
+                d[...] = s
         else:
             try:
                 copy_rows(out[dsl], v[ssl], row)

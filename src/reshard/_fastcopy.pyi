@@ -1,0 +1,7 @@
+# Types of the optional C extension built from _fastcopy.c. Its arguments are objects
+# with the buffer protocol (numpy arrays); collections.abc.Buffer needs Python 3.12.
+from typing import Any
+
+HAVE_STREAM: int
+
+def copy(dst: Any, src: Any, stream: bool, /) -> None: ...
