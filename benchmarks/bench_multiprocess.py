@@ -22,8 +22,9 @@ stages and buffer sizes, less the failure-status sum of its last stage) from buf
 that already exist: the reshard without its host work, which splits its distance
 from the floor into the shape of its transfers and the packing, cutting and array
 making around them. A last line times the fastest floor again, side by side with
-the same floor while the receiving process does the relayout's copies in numpy alone
-(the column blocks of every matrix, at once, on the executor's copy threads): the
+the same floor while the receiving process does the relayout's copies alone, with the
+executor's own copy routine (``copy_into``: the C extension where it is built, else
+numpy), the column blocks of every matrix, at once, on the executor's copy threads: the
 least any relayout that copies each byte once adds on this machine. Times are
 medians of several runs in one launch, every method timed once per round in turn, each
 reshard on new array objects over the same buffers (``fresh_arrays``: as after a
@@ -263,7 +264,7 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
     floors = times
     # The least any fsdp -> tp relayout adds to the floor: the receiving process's one
     # copy per byte (each destination block's column block cut out of every source
-    # shard that arrived), done by numpy alone, at once, while the fastest floor moves
+    # shard that arrived), done by copy_into alone, at once, while the fastest floor moves
     # the bytes, timed side by side with that floor.
     best = _agreed_fastest({c: statistics.median(floors[str(c)]) for c in FLOOR_CHUNKS})
     cut = _relayout_cut(full) if jax.process_index() == 1 else None
@@ -302,10 +303,12 @@ def _agreed_fastest(medians: dict[int, float]) -> int:
 
 
 def _relayout_cut(full: bool) -> Any:
-    """A function doing, in numpy alone, the copies the receiving process of the fsdp
-    -> tp relayout does: for every matrix, each of its 4 devices' column block out of
-    every row (all 4 source shards arrived), on the executor's copy threads."""
+    """A function doing the copies the receiving process of the fsdp -> tp relayout
+    does, with ``copy_into`` alone (as the executor copies): for every matrix, each of
+    its 4 devices' column block out of every row (all 4 source shards arrived), on the
+    executor's copy threads."""
     from reshard import _local_executor
+    from reshard._buffers import copy_into
 
     jobs = []
     for shape, dtype in llm_tree_shapes(full).values():
@@ -319,7 +322,7 @@ def _relayout_cut(full: bool) -> Any:
 
     def per_device(k: int) -> None:
         for dst, piece in jobs[k::4]:
-            np.copyto(dst, piece)
+            copy_into(dst, piece)
 
     tasks = [(1 << 30, functools.partial(per_device, k)) for k in range(4)]
     return lambda: _local_executor.run_copies(tasks)
@@ -410,7 +413,7 @@ def _table(
     cut = median_of_max("cut_s", "cut") / median_of_max("cut_s", "floor")
     print(
         f"the least a relayout adds: the fastest row's floor ({v[0]['cut_chunks']} chunks) "
-        f"with the receiver's cut done by numpy alone at the same time took {cut:.2f}x its time"
+        f"with the receiver's cut alone done at the same time took {cut:.2f}x its time"
     )
     return ours / floor, same / floor, ours / chosen, same / chosen
 
