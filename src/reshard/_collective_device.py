@@ -143,29 +143,54 @@ def device_rounds(
     return rounds
 
 
-def _cut(x: jax.Array, slot: _Slot, block: tuple[int, ...], me: jax.Array) -> jax.Array:
+class _Lookup:
+    """This position's entries of the slots' tables, inside one trace of ``body``.
+
+    A column whose entries are equal at every position is a constant (``dynamic_slice``
+    at a constant start is a plain slice); the others are looked up by ``axis_index``,
+    each distinct column once per program, however many slots share it.
+    """
+
+    def __init__(self, me: jax.Array) -> None:
+        self.me = me
+        self.memo: dict[tuple[str, bytes], jax.Array] = {}
+
+    def column(self, col: np.ndarray) -> int | bool | jax.Array:
+        if (col == col[0]).all():
+            return col[0].item()
+        key = (col.dtype.str, col.tobytes())
+        if key not in self.memo:
+            self.memo[key] = lax.dynamic_index_in_dim(np.asarray(col), self.me, keepdims=False)
+        return self.memo[key]
+
+    def row(self, table: np.ndarray) -> tuple[int | jax.Array, ...]:
+        return tuple(self.column(table[:, k]) for k in range(table.shape[1]))
+
+
+def _cut(x: jax.Array, slot: _Slot, block: tuple[int, ...], at: _Lookup) -> jax.Array:
     """This position's piece of ``slot``, out of its source block ``x``."""
     if slot.shape == block:
         return x  # the whole block: no slicing
-    start = jnp.asarray(slot.send_start)[me]
-    return lax.dynamic_slice(x, tuple(start[k] for k in range(len(slot.shape))), slot.shape)
+    return lax.dynamic_slice(x, at.row(slot.send_start), slot.shape)
 
 
 def _put(
-    out: jax.Array | None, piece: jax.Array, slot: _Slot, block: tuple[int, ...], me: jax.Array
+    out: jax.Array | None, piece: jax.Array, slot: _Slot, block: tuple[int, ...], at: _Lookup
 ) -> jax.Array:
     """Writes this position's received ``piece`` of ``slot`` into its output block."""
     if out is None and slot.shape == block and slot.recv_mask is None:
         return piece  # fills the whole block wherever it matters: no zero-fill, no copy
     if out is None:
-        out = jnp.zeros(block, piece.dtype)
-    rstart = jnp.asarray(slot.recv_start)[me]
-    starts = tuple(rstart[k] for k in range(len(slot.shape)))
+        out = lax.full(block, 0, piece.dtype)
+    starts = at.row(slot.recv_start)
     if slot.recv_mask is not None:
         # A position that receives nothing in this slot must not overwrite its output:
         # it writes back what is already there (costs the piece, not the block).
-        current = lax.dynamic_slice(out, starts, slot.shape)
-        piece = jnp.where(jnp.asarray(slot.recv_mask)[me], piece, current)
+        receives = at.column(slot.recv_mask)
+        if receives is False:
+            return out
+        if receives is not True:
+            piece = lax.select(receives, piece, lax.dynamic_slice(out, starts, slot.shape))
     return lax.dynamic_update_slice(out, piece, starts)
 
 
@@ -173,29 +198,29 @@ def body(
     blocks: Sequence[LeafBlocks], rounds: Sequence[_Round], inputs: Sequence[jax.Array]
 ) -> tuple[jax.Array, ...]:
     """What every device runs: all rounds, then its output blocks."""
-    me = lax.axis_index(AXIS)
+    at = _Lookup(lax.axis_index(AXIS))
     dtypes = [x.dtype for x in inputs]
     inputs = [to_bits(x) for x in inputs]  # cut, moved and placed as bits
     outs: list[jax.Array | None] = [None] * len(blocks)
     for rd in rounds:
         # Every piece of a group has the group's type already: the inputs are bits.
         for slots in rd.groups:
-            pieces = [_cut(inputs[s.leaf], s, blocks[s.leaf].src_block, me) for s in slots]
+            pieces = [_cut(inputs[s.leaf], s, blocks[s.leaf].src_block, at) for s in slots]
             if rd.perm and len(pieces) == 1:
                 pieces = [lax.ppermute(pieces[0], AXIS, list(rd.perm))]
             elif rd.perm:
                 # One buffer per round and element type: one collective, not one per piece.
-                flat = jnp.concatenate([p.reshape(-1) for p in pieces])
+                flat = lax.concatenate([lax.reshape(p, (p.size,)) for p in pieces], 0)
                 flat = lax.ppermute(flat, AXIS, list(rd.perm))
-                bounds = np.cumsum([math.prod(s.shape) for s in slots])[:-1].tolist()
+                ends = np.cumsum([math.prod(s.shape) for s in slots]).tolist()
                 pieces = [
-                    part.reshape(s.shape)
-                    for part, s in zip(jnp.split(flat, bounds), slots, strict=True)
+                    lax.reshape(lax.slice_in_dim(flat, end - math.prod(s.shape), end), s.shape)
+                    for end, s in zip(ends, slots, strict=True)
                 ]
             for s, piece in zip(slots, pieces, strict=True):
-                outs[s.leaf] = _put(outs[s.leaf], piece, s, blocks[s.leaf].dst_block, me)
+                outs[s.leaf] = _put(outs[s.leaf], piece, s, blocks[s.leaf].dst_block, at)
     return tuple(
-        from_bits(o if o is not None else jnp.zeros(b.dst_block, x.dtype), dt)
+        from_bits(o if o is not None else lax.full(b.dst_block, 0, x.dtype), dt)
         for o, b, x, dt in zip(outs, blocks, inputs, dtypes, strict=True)
     )
 
