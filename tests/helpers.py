@@ -126,8 +126,19 @@ def pointers(a: jax.Array) -> dict[Any, int]:
 
 
 def place(values: Any, sharding: Any) -> jax.Array:
-    """Puts host values (or a key array) on ``sharding`` through a fresh XLA buffer."""
-    return jax.jit(lambda v: v, out_shardings=sharding)(values)
+    """Puts host values (or a key array) on ``sharding`` through a fresh XLA buffer.
+
+    Where this JAX cannot compile a program with outputs in host memory (jax 0.10.0
+    on CPU), the buffer is made in device memory and copied there by
+    ``jax.device_put``: still fresh, as the library supports jax 0.10 and newer.
+    """
+    try:
+        return jax.jit(lambda v: v, out_shardings=sharding)(values)
+    except jax.errors.JaxRuntimeError:
+        if sharding.memory_kind in (None, "device"):
+            raise
+        on_device = jax.jit(lambda v: v, out_shardings=sharding.with_memory_kind("device"))
+        return jax.device_put(on_device(values), sharding)
 
 
 def check_result(y: jax.Array, truth: Any, dst: Any) -> None:
