@@ -78,8 +78,9 @@ def test_elastic_guide_snippets_run_as_written():
 
 
 def test_the_accelerator_check_passes_on_cpu():
-    # benchmarks/gpu_check.py is what a session with a GPU runs (no GPU here): it runs
-    # on one CPU device too, without its timing table, so that it cannot rot unnoticed.
+    # benchmarks/gpu_check.py is what a session with an accelerator runs (none here; it
+    # passed on one TPU v5e chip, docs/accelerators.md): it runs on one CPU device too,
+    # without its timing table, so that it cannot rot unnoticed.
     res = _run(
         [str(ROOT / "benchmarks" / "gpu_check.py")], GPU_CHECK_NO_TIMING="1", JAX_PLATFORMS="cpu"
     )

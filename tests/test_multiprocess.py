@@ -1301,6 +1301,57 @@ def test_many_small_stages_in_flight_do_not_deadlock() -> None:
     assert [r.value for r in results] == [[True, True]] * 3
 
 
+def _inexact_type_across_processes() -> dict[str, Any]:
+    """Programs made lossy for bfloat16 on every process (NaNs made canonical, as a
+    TPU does to float16; see ``reshard._exact``), device packing asked for: each
+    process measures the type on its own devices, all choose host packing, and every
+    bit arrives. Returns the packing chosen and whether each array here is exact."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+    from reshard import _collective_device, _collective_executor, _local_executor
+
+    real = _local_executor.to_bits
+
+    def lossy(x: Any) -> Any:
+        if x.dtype == jnp.bfloat16:
+            x = jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x)
+        return real(x)
+
+    _local_executor.to_bits = _collective_device.to_bits = lossy
+    _collective_executor.PACK_ON_HOST = False
+    devs = np.array(jax.devices())
+    src = NamedSharding(Mesh(devs[:2], ("a",)), P("a"))  # process 0's devices
+    dst = NamedSharding(Mesh(devs[1:3], ("b",)), P(None, "b"))  # across both
+    hosts = [_ground_truth((16, 24), jnp.bfloat16, 21), _ground_truth((16, 24), np.float32, 22)]
+    xs = [
+        jax.make_array_from_callback(h.shape, src, lambda i, h=h: h[i], dtype=h.dtype)
+        for h in hosts
+    ]
+    p = reshard.plan(xs, [dst, dst])
+    ys = p.execute(xs)
+    (program,) = [
+        v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
+    ]
+    exact = [
+        y.sharding == dst
+        and all(
+            as_bits(s.data).tobytes() == as_bits(h[s.index]).tobytes() for s in y.addressable_shards
+        )  # fmt: skip
+        for y, h in zip(ys, hosts, strict=True)
+    ]
+    return {"host_packed": program.host_packed, "exact": exact}
+
+
+@pytest.mark.timeout(120)
+def test_types_programs_change_are_packed_on_host_by_every_process() -> None:
+    results = launch_local(f"{HERE}:_inexact_type_across_processes", 2, 2, timeout_s=90)
+    assert [r.value for r in results] == [{"host_packed": True, "exact": [True, True]}] * 2
+
+
 # --- in this process: the schedule, and the executor with one controller ----------
 
 

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from . import _collective_device as device_packed
 from . import _collective_host as host_packed
-from . import _compat, _programs
+from . import _compat, _exact, _programs
 from ._collective_common import (
     AXIS,
     all_copies,
@@ -187,6 +187,13 @@ class CollectiveProgram:
             group_bytes = device_packed.GROUP_BYTES
         if pack_on_host is None:
             pack_on_host = all(d.platform == "cpu" for d in self.devices)
+        if not pack_on_host and _exact.inexact_types(
+            self.devices, [*self.dtypes, *map(device_packed.carrier, self.dtypes)]
+        ):
+            # A type the device-packed program would not carry exactly (``_exact``):
+            # the whole program packs on the host, where bytes are bytes. Every
+            # process measures the same on the same platform (``agree`` checks it).
+            pack_on_host = True
         # What every process must agree on for the programs to match: devices, blocks,
         # pieces and element types, and the settings that shape the schedule (module
         # constants a user may change on one process only) (``agree``; one process has

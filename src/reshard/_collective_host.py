@@ -602,7 +602,8 @@ def _unpack_stage(
         lands = {op[1] for _, pos_ops in ops.values() for op in pos_ops}
         # Zero-copy views of what arrived; each waits for its transfer.
         raws = {
-            land: [np.asarray(b[program.devices[land].id]) for b in per_array] for land in lands
+            land: [_compat.host_view(b[program.devices[land].id]) for b in per_array]
+            for land in lands
         }
         local.run_copies(
             [
@@ -626,7 +627,7 @@ class _SourceViews(dict[int, np.ndarray]):
         self._program, self._bufs, self._dev_id = program, bufs, dev_id
 
     def __missing__(self, li: int) -> np.ndarray:
-        view = np.asarray(self._bufs[li][self._dev_id])
+        view = _compat.host_view(self._bufs[li][self._dev_id])
         view = view.reshape(self._program.leaves[li].src_block)
         self[li] = view
         return view

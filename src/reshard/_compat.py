@@ -456,6 +456,21 @@ def fresh_copies(xs: Sequence[jax.Array]) -> list[jax.Array]:
     return list(jax.device_put(list(xs), [x.sharding for x in xs], may_alias=False))
 
 
+def platform_of(x: jax.Array) -> str:
+    """The platform of the devices ``x`` is on (one per array)."""
+    device: Any = next(iter(x.sharding.device_set))
+    return str(device.platform)
+
+
+def host_view(x: jax.Array) -> np.ndarray:
+    """A single-device array's data in host memory: on CPU a view of the buffer itself
+    (no copy); elsewhere a copy made by an explicit transfer (``jax.device_get``, which
+    ``jax.transfer_guard`` allows where it refuses implicit ones)."""
+    if platform_of(x) == "cpu":
+        return np.asarray(x)
+    return np.asarray(jax.device_get(x))
+
+
 def place_host_buffers(
     buffers: Sequence[Any], devices: Sequence[Any], memory_kind: str | None
 ) -> list[Any]:

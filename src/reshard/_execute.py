@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from . import _buffers, _compat, _sharing
+from . import _buffers, _compat, _exact, _sharing
 from ._geometry import volume
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
@@ -216,15 +216,43 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
         )
         rest_alias = [alias[j] for j in rest]
         if not rest:
-            built: list[jax.Array] = []
+            built: list[Any] = []
         elif plan.executor == "host":
             built = run_host([jobs[j] for j in rest], *args, alias=rest_alias)
         else:
-            key = f"device_program(private={_compat.USE_PRIVATE})"  # as its arrays
-            program = plan._cache.get(key)
-            if program is None:
-                program = plan._cache[key] = DeviceProgram([jobs[j] for j in rest])
-            built = run_device(program, *args, alias=rest_alias)
+            # Arrays of a type that programs on this platform do not carry exactly
+            # (``_exact``) are moved through host memory instead, as the host
+            # executor moves them; the device executor takes the rest.
+            key = f"device_split(private={_compat.USE_PRIVATE})"  # as ``rest``
+            split = plan._cache.get(key)
+            if split is None:
+                device = next(iter(sources[rest[0]].sharding.device_set))
+                inexact = _exact.inexact_types([device], [jobs[j].dtype for j in rest])
+                split = plan._cache[key] = (
+                    [k for k, j in enumerate(rest) if jobs[j].dtype.name not in inexact],
+                    [k for k, j in enumerate(rest) if jobs[j].dtype.name in inexact],
+                )
+            on_device, via_host = split
+            built = [None] * len(rest)
+            for ks, runner in ((on_device, "device"), (via_host, "host")):
+                if not ks:
+                    continue
+                part_args = (
+                    [args[0][k] for k in ks],
+                    [args[1][k] for k in ks],
+                    [args[2][k] for k in ks],
+                )
+                part_alias = [rest_alias[k] for k in ks]
+                if runner == "host":
+                    part = run_host([jobs[rest[k]] for k in ks], *part_args, alias=part_alias)
+                else:
+                    key = f"device_program(private={_compat.USE_PRIVATE})"  # as its arrays
+                    program = plan._cache.get(key)
+                    if program is None:
+                        program = plan._cache[key] = DeviceProgram([jobs[rest[k]] for k in ks])
+                    part = run_device(program, *part_args, alias=part_alias)
+                for k, arr in zip(ks, part, strict=True):
+                    built[k] = arr
         by_index = dict(zip(whole, copied, strict=True)) | dict(zip(rest, built, strict=True))
         moved = [by_index[j] for j in range(len(planned))]
     elif plan.executor == "collective":

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _buffers, _compat, _programs
+from . import _buffers, _compat, _exact, _programs
 from ._buffers import NATIVE, carve, copy_into, copy_rows, host_empty, native_copy
 from ._geometry import box_shape, relative_slices
 from ._planner import LeafPlan
@@ -84,6 +84,9 @@ class LeafJob:
     dst_of: dict[int, int]  # destination device id -> destination shard index
     shapes: tuple[tuple[int, ...], ...]  # per destination shard
     nbytes: tuple[int, ...]  # per destination shard
+    # destination shard index -> the source shard index it is a whole copy of (the
+    # same box: one piece, nothing cut or assembled)
+    whole: dict[int, int]
 
     @staticmethod
     def build(lp: LeafPlan, dtype: np.dtype) -> LeafJob:
@@ -104,7 +107,12 @@ class LeafJob:
         shapes = tuple(box_shape(s.box) for s in spec.dst)
         nbytes = tuple(math.prod(sh) * dt.itemsize for sh in shapes)
         copies = tuple(tuple(c) for c in per_dst)
-        return LeafJob(lp, dt, copies, dict(lp.reused), dst_of, shapes, nbytes)
+        whole = {
+            di: c[0][0]
+            for di, c in enumerate(copies)
+            if len(c) == 1 and spec.src[c[0][0]].box == spec.dst[di].box
+        }
+        return LeafJob(lp, dt, copies, dict(lp.reused), dst_of, shapes, nbytes, whole)
 
 
 def _fill(
@@ -120,7 +128,7 @@ def _fill(
     for si, ssl, dsl, row in copies:
         v = views.get(si)
         if v is None:
-            v = views[si] = np.asarray(bufs[src_specs[si].device])
+            v = views[si] = _compat.host_view(bufs[src_specs[si].device])
         if row is None:
             out[dsl] = v[ssl]
         elif isinstance(row, str):  # NATIVE
@@ -179,6 +187,14 @@ def run_copies(tasks: Sequence[tuple[int, Callable[[], Any]]]) -> None:
         f.result()
 
 
+# Whether ``run_host`` copies destination shards that are whole source shards device
+# to device through PjRt instead of through host memory; ``None``: off CPU only. On
+# CPU a host view is the buffer itself, and the host copy is as fast; elsewhere the
+# host executor's path runs only for types that programs do not carry exactly
+# (``_exact``), and PjRt's copies keep every bit without a trip through the host.
+PJRT_WHOLE_SHARDS: bool | None = None
+
+
 def run_host(
     jobs: Sequence[LeafJob],
     sources: Sequence[jax.Array],
@@ -187,7 +203,10 @@ def run_host(
     *,
     alias: Sequence[bool],
 ) -> list[jax.Array]:
-    """Executes on CPU through host views: one copy per moved or kept byte.
+    """Executes through host views: one copy per moved or kept byte on CPU. Off CPU,
+    where it moves the types that programs do not carry exactly, shards are read
+    with explicit transfers, and shards that are whole source shards are copied by
+    PjRt (``PJRT_WHOLE_SHARDS``).
 
     Args:
       jobs: one per array, from ``LeafJob.build``.
@@ -197,13 +216,22 @@ def run_host(
         this process, in the order of the sharding's addressable devices.
       alias: per array, whether its unchanged shards are handed over without a copy.
     """
+    pjrt = PJRT_WHOLE_SHARDS
+    if pjrt is None:
+        pjrt = not all(_compat.platform_of(s) == "cpu" for s in sources)
+
+    def by_pjrt(job: LeafJob, di: int) -> bool:
+        return bool(pjrt and di in job.whole and job.nbytes[di])
+
     small = itertools.chain.from_iterable(
         carve(
             [
                 [
                     job.nbytes[di]
                     for di, _ in tg
-                    if job.nbytes[di] < SMALL_SHARD_BYTES and not (a and di in job.reused)
+                    if job.nbytes[di] < SMALL_SHARD_BYTES
+                    and not (a and di in job.reused)
+                    and not by_pjrt(job, di)
                 ]
                 for job, tg, a in zip(jobs, targets, alias, strict=True)
             ]
@@ -211,6 +239,8 @@ def run_host(
     )
     big: list[tuple[int, Callable[[], Any]]] = []  # (bytes, copy) per large shard
     leaves: list[tuple[list[Any], list[Any]]] = []
+    # (array, position among its shards, source shard, destination) to copy by PjRt
+    whole: list[tuple[int, int, jax.Array, jax.sharding.Sharding]] = []
     for job, src, sharding, tg, a in zip(jobs, sources, shardings, targets, alias, strict=True):
         spec = job.plan.spec
         bufs = _compat.device_buffers(src)
@@ -223,6 +253,11 @@ def run_host(
                 # (A jit output's empty shard may have the whole array's shape.)
                 kept = bufs[spec.src[si].device]
                 dst_bufs.append(_compat.empty_as(kept, job.shapes[di], sharding.memory_kind))
+            elif by_pjrt(job, di):
+                part = bufs[spec.src[job.whole[di]].device]
+                to = jax.sharding.SingleDeviceSharding(dev, memory_kind=sharding.memory_kind)
+                whole.append((len(leaves), len(dst_bufs), part, to))
+                dst_bufs.append(None)  # (filled below)
             else:
                 n = job.nbytes[di]
                 shape = job.shapes[di]
@@ -236,6 +271,18 @@ def run_host(
                 dst_bufs.append(out)
             dst_devs.append(dev)
         leaves.append((dst_bufs, dst_devs))
+    if whole:
+        # Those that stay where they are (a copy in place) by ``copies_in_place``, the
+        # others by one batched PjRt copy.
+        here = [w[2].sharding == w[3] for w in whole]
+        stay = copies_in_place([w[2] for w, h in zip(whole, here, strict=True) if h])
+        go = [w for w, h in zip(whole, here, strict=True) if not h]
+        moved = jax.device_put([w[2] for w in go], [w[3] for w in go], may_alias=False)
+        copies, stayed, went = [], iter(stay), iter(moved)
+        for h in here:
+            copies.append(next(stayed) if h else next(went))
+        for (li, k, _, _), c in zip(whole, copies, strict=True):
+            leaves[li][0][k] = c
     run_copies(big)  # one task per destination shard: no two write the same memory
     outs = []
     for job, sharding, (dst_bufs, dst_devs) in zip(jobs, shardings, leaves, strict=True):
@@ -244,6 +291,46 @@ def run_host(
             dst_bufs = _compat.place_host_buffers(dst_bufs, dst_devs, sharding.memory_kind)
         outs.append(_compat.assemble(job.plan.spec.shape, job.dtype, sharding, dst_bufs, dst_devs))
     return outs
+
+
+def _copies(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """Inside a compiled program: a copy of each input (as bits: see ``_exact``)."""
+    return tuple(from_bits(jnp.copy(to_bits(x)), x.dtype) for x in xs)
+
+
+def copies_in_place(arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    """Copies of single-device ``arrays`` in new buffers on their own devices and
+    memory kinds.
+
+    Those in their device's default memory, of a type that a copy program carries
+    exactly (``_exact``), are copied by one compiled program per device; the others
+    (in a host memory kind, where accelerators need not run programs, or of such a
+    type) by PjRt, in one batched call. PjRt's copy of a buffer to its own device is far slower
+    on an accelerator: 38 ms for 256 MiB of bf16 on a TPU v5e, against 1.5 ms for a
+    program (``benchmarks/gpu_check.py``'s timing, jax 0.10.2).
+    """
+    out = list(arrays)
+    by_device: dict[Any, list[int]] = defaultdict(list)
+    rest: list[int] = []
+    for i, a in enumerate(arrays):
+        device: Any = next(iter(a.sharding.device_set))
+        if (
+            a.size
+            and a.sharding.memory_kind in (None, device.default_memory().kind)
+            and _exact.programs_keep_bits(device, a.dtype, only_copies=True)
+        ):
+            by_device[device].append(i)
+        else:
+            rest.append(i)
+    for device, idx in by_device.items():
+        xs = [arrays[i] for i in idx]
+        key = ("copies", device.id, tuple((x.shape, str(x.dtype)) for x in xs))
+        fn = _programs.shared(key, lambda: jax.jit(_copies))
+        for i, c in zip(idx, fn(*xs), strict=True):
+            out[i] = c
+    for i, c in zip(rest, _compat.fresh_copies([arrays[i] for i in rest]), strict=True):
+        out[i] = c
+    return out
 
 
 def in_compute_memory(a: jax.Array, device: Any) -> jax.Array:
@@ -431,10 +518,12 @@ class _Static:
 
 
 def _cut(cuts: _Static, *shards: jax.Array) -> tuple[jax.Array, ...]:
-    """The pieces that leave one device, cut out of its source shards (as bits:
-    ``to_bits``; ``_build`` takes them so)."""
+    """The pieces that leave one device, cut out of its source shards: as bits inside,
+    in their own type at the program's edges (see ``_exact``: on a TPU, a program
+    whose output is a ``bfloat16`` bitcast to ``uint16`` changes NaNs and subnormals,
+    while one that takes and gives ``bfloat16`` and cuts it as bits does not)."""
     return tuple(
-        to_bits(x)[tuple(slice(a, b) for a, b in cut)]
+        from_bits(to_bits(x)[tuple(slice(a, b) for a, b in cut)], x.dtype)
         for x, (cut, _shape, _dtype) in zip(shards, cuts.desc, strict=True)
     )
 
@@ -556,9 +645,8 @@ def run_device(
     del recv, moved
     staged.clear()
     # 4. Per array: move to the destination memory kind and put the shards together.
-    # Kept shards that are not handed over are copied by the runtime, not by a program
-    # (they may be in a host memory kind, where accelerators need not run programs),
-    # all in one batched call.
+    # Kept shards that are not handed over are copied where they are
+    # (``copies_in_place``).
     all_parts: list[list[Any]] = []
     copy_at: list[tuple[int, int]] = []
     for li, (job, sharding, tg) in enumerate(zip(jobs, shardings, placements, strict=True)):
@@ -577,7 +665,7 @@ def run_device(
         all_parts.append(parts)
     if copy_at:
         to_copy = [all_parts[li][k] for li, k in copy_at]
-        copies = _compat.fresh_copies(to_copy)
+        copies = copies_in_place(to_copy)
         for (li, k), c in zip(copy_at, copies, strict=True):
             all_parts[li][k] = c
     results = []
