@@ -1,15 +1,20 @@
 """reshard on an accelerator: one self-contained check of the accelerator paths.
 
-Run on a machine with a GPU (or TPU), one process, from the repository root:
+Run on a machine with a GPU or TPU, one process, from the repository root:
 
-    PYTHONPATH=src python benchmarks/gpu_check.py      # ~1-3 minutes on one H200 (a guess)
+    PYTHONPATH=src python benchmarks/gpu_check.py      # ~2 minutes on one TPU v5e chip
+
+Its results on a TPU v5e (one chip, 2026-12-05) are in docs/accelerators.md.
 
 It also runs on CPU (set XLA_FLAGS=--xla_force_host_platform_device_count=8 for 8
 devices, or leave it unset for 1). It checks, bit for bit against numpy:
 
 - memory kinds device <-> pinned_host (and unpinned_host where the device has it),
 - the local *device* executor (``executor="device"``; ``auto`` picks it off CPU),
-- the *collective* executor forced device-packed (``PACK_ON_HOST = False``),
+- the *collective* executor in one process, as it chooses and forced device-packed or
+  host-packed (``PACK_ON_HOST``),
+- every bit pattern of each narrow float type (bf16, f16, fp8s) through each of them,
+  and which types this platform's programs carry exactly (``reshard._exact``),
 - donation (inputs deleted; >= 1 MiB kept in device memory handed over in place),
   ``may_alias=True``, PRNG key arrays, int4/uint4/float4, bf16, fp8 (NaN payloads
   included), bool, complex, zero-size arrays, scalars, pytrees with non-array leaves,
@@ -75,7 +80,7 @@ def check(name: str):
 def bits_of(a: np.ndarray) -> np.ndarray:
     """The raw bits of a host array, as unsigned integers (sub-byte types: one per
     element, as numpy holds them)."""
-    a = np.asarray(a)
+    a = np.ascontiguousarray(a)  # (a view to another item size needs contiguous data)
     if a.dtype.itemsize == 0 or a.dtype == np.bool_:
         return a.astype(np.uint8)
     if a.dtype.kind == "c":
@@ -154,14 +159,21 @@ def ns(mesh, spec, mk=None):
     return NamedSharding(mesh, spec, memory_kind=mk)
 
 
-EXECUTORS = ["auto", "device", "collective-device-packed"] + (["host"] if PLATFORM == "cpu" else [])
+EXECUTORS = [
+    "auto",
+    "device",
+    "collective",
+    "collective-device-packed",
+    "collective-host-packed",
+] + (["host"] if PLATFORM == "cpu" else [])
 
 
 def run(x, dst, executor: str, **kw):
-    """One reshard with ``executor`` ('collective-device-packed' forces device packing)."""
-    if executor == "collective-device-packed":
+    """One reshard with ``executor`` ('collective-device-packed' and
+    'collective-host-packed' force a packing; 'collective' lets it choose)."""
+    if executor.startswith("collective-"):
         saved = _collective_executor.PACK_ON_HOST
-        _collective_executor.PACK_ON_HOST = False
+        _collective_executor.PACK_ON_HOST = executor == "collective-host-packed"
         try:
             return reshard.plan(x, dst, executor="collective").execute(x, **kw)
         finally:
@@ -222,12 +234,17 @@ def checks_single_device() -> None:
                 src, dst = ns(MESH1, P("x"), a), ns(MESH1, P(None, "x"), b)
                 # every dtype where device memory is on one side; a few between host kinds
                 dts = DTYPES if DEFAULT_KIND in (a, b) else [np.float32, jnp.bfloat16, jnp.int4]
+                bad = []  # every dtype is tried; the check fails naming all that failed
                 for i, dt in enumerate(dts):
                     h = truth_any((64, 48), dt, i)
                     x = put(h, src)
-                    y = run(x, dst, ex)
-                    verify(y, h, dst, f"{np.dtype(dt).name}")
-                    verify(x, h, src, f"{np.dtype(dt).name} input intact")
+                    try:
+                        y = run(x, dst, ex)
+                        verify(y, h, dst, f"{np.dtype(dt).name}")
+                        verify(x, h, src, f"{np.dtype(dt).name} input intact")
+                    except Exception as e:  # noqa: BLE001
+                        bad.append(f"{np.dtype(dt).name} ({type(e).__name__}: {str(e)[:80]})")
+                assert not bad, "; ".join(bad)
     # Donation, handover in device memory (>= 1 MiB kept), copies otherwise.
     for ex in EXECUTORS:
         with check(f"[{ex}] donate=True: inputs deleted, outputs exact (4 MiB f32 + small bf16)"):
@@ -325,13 +342,11 @@ def checks_single_device() -> None:
                 "np": SingleDeviceSharding(D0),
                 "py": SingleDeviceSharding(D0),
             }
-            if ex == "collective-device-packed":
-                _collective_executor.PACK_ON_HOST = False
+            if ex.startswith("collective-"):
+                _collective_executor.PACK_ON_HOST = ex == "collective-host-packed"
             try:
                 plan = reshard.plan(
-                    tree,
-                    dst,
-                    executor={"auto": "auto", "collective-device-packed": "collective"}.get(ex, ex),
+                    tree, dst, executor="collective" if ex.startswith("collective") else ex
                 )
                 for rep in range(2):
                     out = plan.execute(tree)
@@ -378,6 +393,95 @@ def checks_single_device() -> None:
             y = run(x, dst, ex)
             x.delete()
             verify(y, h, dst)
+
+
+EXHAUSTIVE = [
+    jnp.bfloat16,
+    np.float16,
+    jnp.float8_e4m3fn,
+    jnp.float8_e5m2,
+    jnp.float8_e4m3fnuz,
+    jnp.float8_e5m2fnuz,
+    jnp.float8_e4m3b11fnuz,
+] + [getattr(jnp, n) for n in ("float8_e3m4", "float8_e4m3", "float8_e8m0fnu") if hasattr(jnp, n)]
+
+
+def every_pattern(dtype) -> np.ndarray:
+    """Every bit pattern of a 1- or 2-byte type, as a (256, 256) array."""
+    dt = np.dtype(dtype)
+    raw = (
+        np.arange(1 << 16, dtype=np.uint16)
+        if dt.itemsize == 2
+        else np.tile(np.arange(256, dtype=np.uint8), 256)
+    )
+    return raw.view(dt).reshape(256, 256)
+
+
+def checks_every_bit_pattern() -> None:
+    """Every bit pattern of each narrow float type through every executor: kept in
+    device memory (a copy), into a host memory kind and back; plus whether this
+    platform's programs carry each type exactly (``reshard._exact``: those that do not
+    are moved without programs)."""
+    from reshard import _exact, _local_executor
+
+    verdicts = []
+    for dt in EXHAUSTIVE + [np.float32, np.complex64]:
+        keep = _exact.programs_keep_bits(D0, np.dtype(dt))
+        verdicts.append(f"{np.dtype(dt).name}={'yes' if keep else 'NO'}")
+    print("INFO  programs keep every bit: " + ", ".join(verdicts), flush=True)
+    # The device executor's own cut and assemble programs, with a real cut (a plan on
+    # one device has none): for the types this platform's programs carry exactly.
+    with check("device executor cut + assemble programs, every bit pattern (exact types)"):
+        bad = []
+        for dt in EXHAUSTIVE:
+            if not _exact.programs_keep_bits(D0, np.dtype(dt)):
+                continue
+            h = every_pattern(dt)
+            x = jax.device_put(h, SingleDeviceSharding(D0))
+            cuts = _local_executor._Static(((((0, 256), (0, 100)), h.shape, str(h.dtype)),))
+            (left,) = jax.jit(lambda a, c=cuts: _local_executor._cut(c, a))(x)
+            outs = _local_executor._Static(
+                (
+                    (
+                        h.shape,
+                        h.dtype,
+                        (
+                            ("recv", 0, ((0, 256), (0, 100)), None),
+                            (
+                                "local",
+                                (0, 0),
+                                ((0, 256), (100, 256), (0, 256), (100, 256)),
+                                h.shape,
+                            ),
+                        ),
+                    ),
+                )
+            )
+            (y,) = jax.jit(lambda r, loc, o=outs: _local_executor._build(o, r, loc))(
+                {0: left}, {(0, 0): x}
+            )
+            if not np.array_equal(bits_of(np.asarray(y)), bits_of(h)):
+                bad.append(np.dtype(dt).name)
+        assert not bad, f"changed: {bad}"
+    pairs = [(DEFAULT_KIND, DEFAULT_KIND)] + [
+        p for hk in HOST_KINDS[:1] for p in ((DEFAULT_KIND, hk), (hk, DEFAULT_KIND))
+    ]
+    for ex in EXECUTORS:
+        for a, b in pairs:
+            with check(
+                f"[{ex}] every bit pattern of {len(EXHAUSTIVE)} narrow float types, {a} -> {b}"
+            ):
+                bad = []
+                for dt in EXHAUSTIVE:
+                    h = every_pattern(dt)
+                    src, dst = ns(MESH1, P("x"), a), ns(MESH1, P(None, "x"), b)
+                    x = put(h, src)
+                    try:
+                        verify(run(x, dst, ex), h, dst, np.dtype(dt).name)
+                        verify(x, h, src, f"{np.dtype(dt).name} input intact")
+                    except Exception as e:  # noqa: BLE001
+                        bad.append(f"{np.dtype(dt).name} ({type(e).__name__}: {str(e)[:80]})")
+                assert not bad, "; ".join(bad)
 
 
 def checks_multi_device() -> None:
@@ -457,17 +561,19 @@ def timing() -> None:
     big_shape = (one // cols, cols)
     leaves = 64
     small_shape = ((one // leaves) // 1024, 1024)
-    for label, shape, count in [
-        (f"1 x {mib} MiB bf16", big_shape, 1),
-        (f"{leaves} leaves bf16", small_shape, leaves),
+    for label, shape, count, dtype, pairs in [
+        (f"1 x {mib} MiB bf16", big_shape, 1, jnp.bfloat16, None),
+        (f"{leaves} leaves bf16", small_shape, leaves, jnp.bfloat16, None),
+        # (f32: a type every platform's programs carry exactly, see reshard._exact)
+        (f"1 x {mib} MiB f32", (big_shape[0] // 2, cols), 1, jnp.float32, [kinds[0]]),
     ]:
-        for a in kinds:
-            for b in kinds:
+        for a in kinds if pairs is None else pairs:
+            for b in kinds if pairs is None else pairs:
                 if time.monotonic() - T_START > BUDGET_S:
                     print("SKIP  remaining timings (time budget)", flush=True)
                     break
                 src, dst = ns(MESH1, P("x"), a), ns(MESH1, P(None, "x"), b)
-                xs = [jax.device_put(jnp.zeros(shape, jnp.bfloat16) + i, src) for i in range(count)]
+                xs = [jax.device_put(jnp.zeros(shape, dtype) + i, src) for i in range(count)]
                 jax.block_until_ready(xs)
                 dsts = [dst] * count
                 row = {"case": f"{label} {a}->{b}"}
@@ -509,7 +615,11 @@ def timing() -> None:
             f"{r['case']:44s} {r['reshard']:9.2f} {r['collective']:9.2f} {r['device_put']:9.2f} "
             f"{jit:>9s} {r['device_put'] / r['reshard']:7.2f}x"
         )
-    print("milliseconds, medians of 5 after a warm-up call; dp/ours > 1: reshard faster\n")
+    print(
+        "milliseconds, medians of 5 after a warm-up call; dp/ours > 1: reshard faster; "
+        "coll.dev: the collective executor asked to pack on the devices (it packs on the "
+        "host where programs do not carry a type exactly: reshard._exact)\n"
+    )
     if PLATFORM != "cpu":
         try:
             stats = D0.memory_stats() or {}
@@ -523,6 +633,7 @@ def timing() -> None:
 
 def main() -> int:
     checks_single_device()
+    checks_every_bit_pattern()
     checks_multi_device()
     if os.environ.get("GPU_CHECK_NO_TIMING") != "1":
         timing()
