@@ -217,8 +217,8 @@ def run_host(
       alias: per array, whether its unchanged shards are handed over without a copy.
     """
     pjrt = PJRT_WHOLE_SHARDS
-    if pjrt is None:
-        pjrt = not all(_compat.platform_of(s) == "cpu" for s in sources)
+    if pjrt is None:  # (one plan is on one platform)
+        pjrt = bool(sources) and _compat.platform_of(sources[0]) != "cpu"
 
     def by_pjrt(job: LeafJob, di: int) -> bool:
         return bool(pjrt and di in job.whole and job.nbytes[di])
