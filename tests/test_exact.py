@@ -280,3 +280,21 @@ def test_inexact_types_kept_in_place_are_copied_by_a_copy_program_that_keeps_the
     copied = sorted(str(dt) for k in keys if k[0] == "copies" for _, dt in k[2])
     assert copied == ["bfloat16"] * 8 + ["float32"] * 4
     reshard.clear_plan_cache()
+
+
+@pytest.mark.parametrize(
+    "context",
+    [
+        lambda: jax.transfer_guard("disallow"),
+        lambda: jax.debug_nans(True),
+        lambda: jax.set_mesh(jax.make_mesh((2,), ("m",), devices=jax.devices()[4:6])),
+    ],
+    ids=["transfer-guard", "debug-nans", "set-mesh"],
+)
+def test_the_check_runs_in_any_context_a_reshard_runs_in(monkeypatch, context):
+    # (The check's values hold NaNs; its transfers are explicit; its programs run on
+    # the device asked about, whatever mesh is set.)
+    monkeypatch.setattr(_exact, "_known", {})
+    with context():
+        assert _exact.programs_keep_bits(jax.devices()[0], np.dtype(jnp.bfloat16))
+        assert _exact.programs_keep_bits(jax.devices()[0], np.dtype(np.float16), only_copies=True)
