@@ -7,12 +7,14 @@ collective program) hold floats as unsigned integers of their width inside
 program's edges. That is exact on CPU, but not everywhere: on a TPU v5e (jax 0.10.2)
 a program whose input or output is ``float16``, ``float8_e4m3fn``, ``float8_e4m3`` or
 ``float8_e3m4`` changes some of their values on the way in or out, even a plain
-``jax.jit(lambda a: a)`` (NaNs made canonical, for example), while PjRt's own
-transfers (``jax.device_put`` between devices and memory kinds, ``jax.device_get``)
-keep them. Which types are affected depends on the chip and the compiler, so it is
-not written down here but measured: the first time a type is to enter a program on a
-platform, ``programs_keep_bits`` runs a small program of the executors' form on every
-bit pattern of the type (random ones for wider types) and compares the bits. Types
+``jax.jit(lambda a: a)`` (NaNs made canonical, for example); ``bfloat16`` and
+``float8_e5m2`` survive a plain copy there, but not the bitcasts and updates of the
+cut and assemble programs; PjRt's own transfers (``jax.device_put`` between devices
+and memory kinds, ``jax.device_get``) keep every type (``docs/accelerators.md``).
+Which types are affected depends on the chip and the compiler, so it is not written
+down here but measured: the first time a type is to enter a program on a platform,
+``programs_keep_bits`` runs the executors' programs in small on every bit pattern of
+the type (random ones for wider types) and compares the bits. Types
 that fail are moved without programs: whole shards by PjRt, device to device; shards
 cut or assembled from pieces through host memory (exact, slower).
 
