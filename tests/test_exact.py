@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import as_bits, check_result, place, random_values
+from helpers import as_bits, check_result, lossy_bf16_to_bits, place, random_values
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -83,13 +83,7 @@ def test_integers_and_booleans_are_not_checked(monkeypatch):
 def lossy_bf16(monkeypatch):
     """Programs that make every bfloat16 NaN the canonical one, as a TPU does to
     float16; fresh caches, so that no plan or program made before is reused."""
-    real = _local_executor.to_bits
-
-    def to_bits(x):
-        if x.dtype == jnp.bfloat16:
-            x = jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x)
-        return real(x)
-
+    to_bits = lossy_bf16_to_bits(_local_executor.to_bits)
     for mod in (_local_executor, _collective_device):
         monkeypatch.setattr(mod, "to_bits", to_bits)
     monkeypatch.setattr(_exact, "_known", {})

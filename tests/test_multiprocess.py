@@ -35,7 +35,7 @@ from reshard._launch import launch_local
 # The launched processes load this file by its path, with this directory not on their
 # import path: add it, for the shared helpers (pytest has added it already here).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import as_bits, random_values  # noqa: E402
+from helpers import as_bits, lossy_bf16_to_bits, random_values  # noqa: E402
 
 HERE = f"{__file__}"
 MISMATCHES: list[str] = []  # failed checks of the running scenario (in a child)
@@ -1314,13 +1314,7 @@ def _inexact_type_across_processes() -> dict[str, Any]:
     import reshard
     from reshard import _collective_device, _collective_executor, _local_executor
 
-    real = _local_executor.to_bits
-
-    def lossy(x: Any) -> Any:
-        if x.dtype == jnp.bfloat16:
-            x = jnp.where(jnp.isnan(x), jnp.array(jnp.nan, x.dtype), x)
-        return real(x)
-
+    lossy = lossy_bf16_to_bits(_local_executor.to_bits)
     _local_executor.to_bits = _collective_device.to_bits = lossy
     _collective_executor.PACK_ON_HOST = False
     devs = np.array(jax.devices())
