@@ -272,17 +272,16 @@ def run_host(
             dst_devs.append(dev)
         leaves.append((dst_bufs, dst_devs))
     if whole:
-        # Those that stay where they are (a copy in place) by ``copies_in_place``, the
-        # others by one batched PjRt copy.
-        here = [w[2].sharding == w[3] for w in whole]
-        stay = copies_in_place([w[2] for w, h in zip(whole, here, strict=True) if h])
-        go = [w for w, h in zip(whole, here, strict=True) if not h]
-        moved = jax.device_put([w[2] for w in go], [w[3] for w in go], may_alias=False)
-        copies, stayed, went = [], iter(stay), iter(moved)
-        for h in here:
-            copies.append(next(stayed) if h else next(went))
-        for (li, k, _, _), c in zip(whole, copies, strict=True):
-            leaves[li][0][k] = c
+        # Copies in place by ``copies_in_place``, the others by one batched PjRt copy.
+        stay = [i for i, w in enumerate(whole) if w[2].sharding == w[3]]
+        go = [i for i, w in enumerate(whole) if w[2].sharding != w[3]]
+        done = dict(zip(stay, copies_in_place([whole[i][2] for i in stay]), strict=True))
+        moved = jax.device_put(
+            [whole[i][2] for i in go], [whole[i][3] for i in go], may_alias=False
+        )
+        done.update(zip(go, moved, strict=True))
+        for i, (li, k, _, _) in enumerate(whole):
+            leaves[li][0][k] = done[i]
     run_copies(big)  # one task per destination shard: no two write the same memory
     outs = []
     for job, sharding, (dst_bufs, dst_devs) in zip(jobs, shardings, leaves, strict=True):
