@@ -226,8 +226,9 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
             key = f"device_split(private={_compat.USE_PRIVATE})"  # as ``rest``
             split = plan._cache.get(key)
             if split is None:
-                device = next(iter(sources[rest[0]].sharding.device_set))
-                inexact = _exact.inexact_types([device], [jobs[j].dtype for j in rest])
+                inexact = _exact.inexact_types(
+                    sources[rest[0]].sharding.device_set, [jobs[j].dtype for j in rest]
+                )
                 split = plan._cache[key] = (
                     [k for k, j in enumerate(rest) if jobs[j].dtype.name not in inexact],
                     [k for k, j in enumerate(rest) if jobs[j].dtype.name in inexact],

@@ -304,9 +304,9 @@ def copies_in_place(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     Those in their device's default memory, of a type that a copy program carries
     exactly (``_exact``), are copied by one compiled program per device; the others
     (in a host memory kind, where accelerators need not run programs, or of such a
-    type) by PjRt, in one batched call. PjRt's copy of a buffer to its own device is far slower
-    on an accelerator: 38 ms for 256 MiB of bf16 on a TPU v5e, against 1.5 ms for a
-    program (``benchmarks/gpu_check.py``'s timing, jax 0.10.2).
+    type) by PjRt, in one batched call. PjRt's copy of a buffer to its own device is
+    far slower on an accelerator: 38 ms for 256 MiB of bf16 on a TPU v5e, against
+    1.7 ms this way (``benchmarks/gpu_check.py``'s timing, jax 0.10.2).
     """
     out = list(arrays)
     by_device: dict[Any, list[int]] = defaultdict(list)
@@ -518,9 +518,9 @@ class _Static:
 
 def _cut(cuts: _Static, *shards: jax.Array) -> tuple[jax.Array, ...]:
     """The pieces that leave one device, cut out of its source shards: as bits inside,
-    in their own type at the program's edges (see ``_exact``: on a TPU, a program
-    whose output is a ``bfloat16`` bitcast to ``uint16`` changes NaNs and subnormals,
-    while one that takes and gives ``bfloat16`` and cuts it as bits does not)."""
+    in their own type at the program's edges (on a TPU v5e, a program whose output is
+    ``bfloat16`` bitcast to ``uint16`` changes its NaNs and subnormals; types that
+    programs change anyway do not come here: see ``_exact``)."""
     return tuple(
         from_bits(to_bits(x)[tuple(slice(a, b) for a, b in cut)], x.dtype)
         for x, (cut, _shape, _dtype) in zip(shards, cuts.desc, strict=True)
