@@ -484,6 +484,97 @@ def checks_every_bit_pattern() -> None:
                 assert not bad, "; ".join(bad)
 
 
+def stress_values(shape, dtype) -> np.ndarray:
+    """Values of ``dtype`` that programs are most likely to change: for 1- and 2-byte
+    types every bit pattern, scattered and repeated; for wider ones random bits with
+    every third row subnormals and zeros and every third row infinities and NaNs with
+    payloads, of either sign."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape))
+    if dt.itemsize <= 2:
+        width = 8 * dt.itemsize
+        codes = (np.arange(n, dtype=np.uint64) * 40503 + 7) % (1 << width)
+        return codes.astype(np.dtype(f"u{dt.itemsize}")).view(dt).reshape(shape)
+    unsigned = np.dtype(f"u{dt.itemsize // 2 if dt.kind == 'c' else dt.itemsize}")
+    bits = 8 * unsigned.itemsize
+    mant = {32: 23, 64: 52}[bits]
+    exp = ((1 << (bits - 1 - mant)) - 1) << mant
+    per_row = shape[-1] * (2 if dt.kind == "c" else 1)
+    raw = (
+        np.random.default_rng(7)
+        .integers(
+            0,
+            np.iinfo(unsigned).max,
+            size=(n * (2 if dt.kind == "c" else 1)),
+            dtype=unsigned,
+            endpoint=True,
+        )
+        .reshape(-1, per_row)
+    )
+    raw[::3] &= np.array(~exp & np.iinfo(unsigned).max, unsigned)  # subnormals, zeros
+    raw[1::3] |= np.array(exp, unsigned)  # infinities, NaNs with payloads
+    return raw.view(dt).reshape(shape)
+
+
+def checks_at_scale() -> None:
+    """The device executor's programs at a model's sizes, for the types this platform's
+    programs are judged to carry exactly (``reshard._exact`` judges them in small, on
+    blocks of 256 x 256 at most): an fsdp -> tp relayout of one array in four row
+    shards, cut into four column blocks each (the cut program, as the executor runs it)
+    and put back together (the build program), and a copy in place (the copy program,
+    also for the types only it is judged to carry). On a TPU v5e, a program that
+    concatenated ``bfloat16`` pieces in their own type kept every bit putting together
+    a 2048 x 2048 array from pieces of 512 x 512, and lost its NaNs and subnormals
+    putting together 16384 x 8192 from pieces of 4096 x 2048: whether a program keeps
+    bits can depend on sizes, so they are checked here at 256 MiB (1 MiB on CPU)."""
+    from reshard import _exact
+    from reshard import _local_executor as L
+
+    side = 8192 if PLATFORM != "cpu" else 512
+    k = 4
+    types = [np.dtype(t) for t in EXHAUSTIVE + [np.float32, np.complex64]]
+    for dt in types:
+        cut_build = _exact.programs_keep_bits(D0, dt)
+        copies = _exact.programs_keep_bits(D0, dt, only_copies=True)
+        if not (cut_build or copies):
+            continue
+        R, C = side * 4 // dt.itemsize, side  # 256 MiB on an accelerator
+        what = ("cut + build + copy" if cut_build else "copy") + f" programs, {R} x {C}"
+        with check(f"at scale: {what} keep every bit of {dt.name}"):
+            full = stress_values((R, C), dt)
+            r, c = R // k, C // k
+            on = SingleDeviceSharding(D0)
+            srcs = [jax.device_put(full[i * r : (i + 1) * r], on) for i in range(k)]
+            bad = 0
+            if cut_build:
+                cuts = L._Static(
+                    tuple((((0, r), (j * c, (j + 1) * c)), (r, C), dt.name) for j in range(k))
+                )
+                cut = jax.jit(lambda x, d=cuts: L._cut(d, *([x] * k)))
+                outs = L._Static(
+                    (
+                        (
+                            (R, c),
+                            dt,
+                            tuple(
+                                ("recv", i, ((i * r, (i + 1) * r), (0, c)), None) for i in range(k)
+                            ),
+                        ),
+                    )
+                )
+                build = jax.jit(lambda recv, d=outs: L._build(d, recv, {}))
+                pieces = [cut(x) for x in srcs]
+                for j in range(k):
+                    (y,) = build({i: pieces[i][j] for i in range(k)})
+                    want = full[:, j * c : (j + 1) * c]
+                    bad += int((bits_of(np.asarray(y)) != bits_of(want)).sum())
+                del pieces
+            for i, x in enumerate(srcs):
+                (y,) = jax.jit(L._copies)(x)
+                bad += int((bits_of(np.asarray(y)) != bits_of(full[i * r : (i + 1) * r])).sum())
+            assert bad == 0, f"{bad} elements changed"
+
+
 def checks_multi_device() -> None:
     if N < 2:
         print("SKIP  multi-device layout / device-set checks (1 device)", flush=True)
@@ -632,10 +723,18 @@ def timing() -> None:
 
 
 def main() -> int:
-    checks_single_device()
-    checks_every_bit_pattern()
-    checks_multi_device()
-    if os.environ.get("GPU_CHECK_NO_TIMING") != "1":
+    # GPU_CHECK_ONLY=scale,every_bit_pattern,... runs those groups alone.
+    only = [g for g in os.environ.get("GPU_CHECK_ONLY", "").split(",") if g]
+    groups = {
+        "single_device": checks_single_device,
+        "every_bit_pattern": checks_every_bit_pattern,
+        "scale": checks_at_scale,
+        "multi_device": checks_multi_device,
+    }
+    for name, run_group in groups.items():
+        if not only or name in only:
+            run_group()
+    if os.environ.get("GPU_CHECK_NO_TIMING") != "1" and not only:
         timing()
     failed = [n for n, ok, _ in RESULTS if not ok]
     took = time.monotonic() - T_START

@@ -87,3 +87,5 @@ def test_the_accelerator_check_passes_on_cpu():
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     assert res.stdout.rstrip().endswith("RESULT: PASS"), res.stdout[-3000:]
     assert " 0 failed " in res.stdout and "FAIL " not in res.stdout, res.stdout[-3000:]
+    # every group ran: the programs at scale too, for every float type (12 on jax 0.10)
+    assert res.stdout.count("PASS  at scale: cut + build + copy programs") >= 10, res.stdout
