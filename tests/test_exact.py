@@ -176,12 +176,15 @@ def test_device_executor_moves_inexact_types_through_host_memory(
             return _real(*args, **kw)
 
         monkeypatch.setattr(f"reshard._execute.{name}", spy)
-    y = reshard.plan(x, dst, executor="device").execute(x)
+    p = reshard.plan(x, dst, executor="device")
+    y = p.execute(x)
     for k in truth:
         check_result(y[k], truth[k], dst)
         check_result(x[k], truth[k], x[k].sharding)  # inputs intact
     assert routed["run_host"] == ["bfloat16", "bfloat16"]
     assert routed["run_device"] == ["float32"]
+    # str(plan) says so, once the first run has decided it
+    assert "host route:  2 array(s) of bfloat16 through host memory: this" in str(p), str(p)
     # The memory-kind move and the copy in place keep every box: their 2 x 4 bf16
     # shards are whole copies, which go by PjRt where asked (in place too: the lossy
     # copy program is refused).
@@ -192,7 +195,9 @@ def test_device_executor_moves_inexact_types_through_host_memory(
 def test_device_executor_control_lossy_programs_do_change_bf16(lossy_bf16, monkeypatch):
     truth, x = _tree(np.random.default_rng(0))
     monkeypatch.setattr(_exact, "programs_keep_bits", lambda device, dtype: True)
-    y = reshard.plan(x, DESTINATIONS[0], executor="device").execute(x)
+    p = reshard.plan(x, DESTINATIONS[0], executor="device")
+    y = p.execute(x)
+    assert "host route" not in str(p)
     assert not np.array_equal(as_bits(y["w"]), as_bits(truth["w"]))
     np.testing.assert_array_equal(as_bits(y["f"]), as_bits(truth["f"]))
 
@@ -205,7 +210,10 @@ def test_collective_program_packs_on_host_for_inexact_types(lossy_bf16, monkeypa
     monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", False)
     dst = DESTINATIONS[0]
     p = reshard.plan(x, dst, executor="collective")
+    assert "host route" not in str(p)  # (decided at the first run)
     y = p.execute(x)
+    route = "host route:  packed on the host, not on the devices (for bfloat16): this platform"
+    assert (route in str(p)) is not keep_bits, str(p)
     (program,) = [
         v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
     ]

@@ -54,6 +54,7 @@ from ._collective_common import (
     status_input,
     status_width,
 )
+from ._plan import HOST_ROUTE
 from ._planner import LeafPlan
 
 __all__ = ["PACK_ON_HOST", "CollectiveProgram", "color_edges", "run_collective"]
@@ -187,13 +188,17 @@ class CollectiveProgram:
             group_bytes = device_packed.GROUP_BYTES
         if pack_on_host is None:
             pack_on_host = all(d.platform == "cpu" for d in self.devices)
-        if not pack_on_host and _exact.inexact_types(
-            self.devices, [*self.dtypes, *map(device_packed.carrier, self.dtypes)]
-        ):
-            # A type the device-packed program would not carry exactly (``_exact``):
-            # the whole program packs on the host, where bytes are bytes. Every
-            # process measures the same on the same platform (``agree`` checks it).
-            pack_on_host = True
+        # Types the device-packed program would not carry exactly (``_exact``), which
+        # made the whole program pack on the host, where bytes are bytes.
+        self.inexact: list[str] = []
+        if not pack_on_host:
+            self.inexact = sorted(
+                _exact.inexact_types(
+                    self.devices, [*self.dtypes, *map(device_packed.carrier, self.dtypes)]
+                )
+            )
+            # (Every process measures the same on the same platform: ``agree`` checks.)
+            pack_on_host = bool(self.inexact)
         # What every process must agree on for the programs to match: devices, blocks,
         # pieces and element types, and the settings that shape the schedule (module
         # constants a user may change on one process only) (``agree``; one process has
@@ -593,6 +598,10 @@ def run_collective(
             if plan.crosses_processes:  # (within one process, others make no such call)
                 agree(program)  # before caching: a mismatch raises again next call
             plan._cache[key] = program
+            if program.inexact:  # for str(plan): decided here, at the first run
+                plan._cache[HOST_ROUTE] = (
+                    f"packed on the host, not on the devices (for {', '.join(program.inexact)})"
+                )
         if program.host_packed:
             return host_packed.run_host_packed(program, sources, shardings)
         # With a watchdog, it covers the collectives, not only their dispatch.

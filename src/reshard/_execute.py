@@ -15,7 +15,7 @@ from jax.sharding import Sharding
 from . import _buffers, _compat, _exact, _sharing
 from ._geometry import volume
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
-from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan
+from ._plan import ARRAY, HOST, HOST_ROUTE, KEY, LeafInfo, Plan
 
 
 def _jobs(plan: Plan) -> list[LeafJob]:
@@ -233,6 +233,12 @@ def execute_plan(plan: Plan, x: Any, *, donate: bool, may_alias: bool | None) ->
                     [k for k, j in enumerate(rest) if jobs[j].dtype.name not in inexact],
                     [k for k, j in enumerate(rest) if jobs[j].dtype.name in inexact],
                 )
+                if split[1]:  # for str(plan): decided here, at the first run
+                    plan._cache[HOST_ROUTE] = (
+                        f"{len(split[1])} array(s) of "
+                        f"{', '.join(sorted({jobs[rest[k]].dtype.name for k in split[1]}))} "
+                        "through host memory"
+                    )
             on_device, via_host = split
             built = [None] * len(rest)
             for ks, runner in ((on_device, "device"), (via_host, "host")):

@@ -24,6 +24,9 @@ from ._planner import LeafPlan, PlanStats
 # How a leaf is handled: planned array, planned PRNG-key array (moved as its key data),
 # or anything else (numpy, Python scalars), which goes through ``jax.device_put``.
 ARRAY, KEY, HOST = "array", "key", "host"
+# ``Plan._cache`` entry: which arrays an executor moved without programs, and how (set
+# at the first run, where it is decided; ``str(plan)`` reports it).
+HOST_ROUTE = "host_route"
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,12 @@ class Plan:
         ]
         if self.avoid_devices:
             lines.append(f"  avoiding:    devices {sorted(self.avoid_devices)}")
+        route = self._cache.get(HOST_ROUTE)
+        if route:
+            lines.append(
+                f"  host route:  {route}: this platform's programs change some of their "
+                "bits (measured at the first run; docs/accelerators.md)"
+            )
         return "\n".join(lines)
 
 
