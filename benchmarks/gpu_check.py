@@ -731,6 +731,10 @@ def main() -> int:
         "scale": checks_at_scale,
         "multi_device": checks_multi_device,
     }
+    unknown = sorted(set(only) - set(groups))
+    if unknown:
+        print(f"GPU_CHECK_ONLY: no such group(s) {unknown}; the groups are {sorted(groups)}")
+        return 2
     for name, run_group in groups.items():
         if not only or name in only:
             run_group()
@@ -744,6 +748,9 @@ def main() -> int:
     )
     for n in failed:
         print(f"FAILED: {n}")
+    if not RESULTS:  # (a group can skip all its checks: nothing ran is no pass)
+        print("RESULT: FAIL (no check ran)", flush=True)
+        return 1
     print("RESULT:", "FAIL" if failed else "PASS", flush=True)
     return 1 if failed else 0
 
