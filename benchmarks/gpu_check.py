@@ -15,6 +15,8 @@ devices, or leave it unset for 1). It checks, bit for bit against numpy:
   host-packed (``PACK_ON_HOST``),
 - every bit pattern of each narrow float type (bf16, f16, fp8s) through each of them,
   and which types this platform's programs carry exactly (``reshard._exact``),
+- the device executor's programs at 256 MiB for the types judged so (group ``scale``:
+  whether a program keeps bits can depend on sizes),
 - donation (inputs deleted; >= 1 MiB kept in device memory handed over in place),
   ``may_alias=True``, PRNG key arrays, int4/uint4/float4, bf16, fp8 (NaN payloads
   included), bool, complex, zero-size arrays, scalars, pytrees with non-array leaves,
@@ -22,7 +24,9 @@ devices, or leave it unset for 1). It checks, bit for bit against numpy:
 - where there are 2+ devices: layout and device-set changes too,
 
 then prints a timing table against ``jax.device_put`` and ``jax.jit`` identity.
-Prints ``PASS``/``FAIL`` per check and exits 1 if any check failed.
+Prints ``PASS``/``FAIL`` per check and exits 1 if any check failed (or none ran).
+``GPU_CHECK_ONLY=scale,every_bit_pattern`` runs those groups alone (also
+``single_device``, ``multi_device``), without the timing.
 """
 
 from __future__ import annotations
