@@ -499,10 +499,9 @@ def stress_values(shape, dtype) -> np.ndarray:
         width = 8 * dt.itemsize
         codes = (np.arange(n, dtype=np.uint64) * 40503 + 7) % (1 << width)
         return codes.astype(np.dtype(f"u{dt.itemsize}")).view(dt).reshape(shape)
-    unsigned = np.dtype(f"u{dt.itemsize // 2 if dt.kind == 'c' else dt.itemsize}")
-    bits = 8 * unsigned.itemsize
-    mant = {32: 23, 64: 52}[bits]
-    exp = ((1 << (bits - 1 - mant)) - 1) << mant
+    width = dt.itemsize // 2 if dt.kind == "c" else dt.itemsize
+    unsigned = np.dtype(f"u{width}")
+    exp = np.array(np.inf, np.dtype(f"f{width}")).view(unsigned)  # the exponent's bits
     per_row = shape[-1] * (2 if dt.kind == "c" else 1)
     raw = (
         np.random.default_rng(7)
@@ -515,8 +514,8 @@ def stress_values(shape, dtype) -> np.ndarray:
         )
         .reshape(-1, per_row)
     )
-    raw[::3] &= np.array(~exp & np.iinfo(unsigned).max, unsigned)  # subnormals, zeros
-    raw[1::3] |= np.array(exp, unsigned)  # infinities, NaNs with payloads
+    raw[::3] &= ~exp  # subnormals, zeros
+    raw[1::3] |= exp  # infinities, NaNs with payloads
     return raw.view(dt).reshape(shape)
 
 
