@@ -86,7 +86,18 @@ WHOLE_CASES = {
         _ns([4, 5, 6, 7], P("a"), memory_kind="pinned_host"),
         True,
     ),
-    "memory kind changes": (FSDP, _ns([4, 5, 6, 7], P("a"), memory_kind="pinned_host"), False),
+    "memory kind changes": (FSDP, _ns([4, 5, 6, 7], P("a"), memory_kind="pinned_host"), True),
+    # A change of memory kind is a transfer even on the same device: PjRt's too.
+    "memory kind changes in place": (
+        FSDP,
+        _ns([0, 1, 2, 3], P("a"), memory_kind="pinned_host"),
+        True,
+    ),
+    "memory kind changes, overlapping devices": (
+        _ns([0, 1, 2, 3], P("a"), memory_kind="unpinned_host"),
+        _ns([2, 3, 4, 5], P("a")),
+        True,
+    ),
     "boxes move between positions": (
         FSDP,
         _ns([4, 5, 6, 7], P(("y", "x")), (2, 2), ("x", "y")),

@@ -181,13 +181,17 @@ def test_device_executor_moves_inexact_types_through_host_memory(
     for k in truth:
         check_result(y[k], truth[k], dst)
         check_result(x[k], truth[k], x[k].sharding)  # inputs intact
+    if dst.memory_kind == "pinned_host":
+        # Only the memory kind changes: PjRt copies every array whole (a transfer,
+        # which keeps every bit), with neither executor nor the host route.
+        assert routed == {} and "host route" not in str(p), (routed, str(p))
+        return
     assert routed["run_host"] == ["bfloat16", "bfloat16"]
     assert routed["run_device"] == ["float32"]
     # str(plan) says so, once the first run has decided it
     assert "host route:  2 array(s) of bfloat16 through host memory: this" in str(p), str(p)
-    # The memory-kind move and the copy in place keep every box: their 2 x 4 bf16
-    # shards are whole copies, which go by PjRt where asked (in place too: the lossy
-    # copy program is refused).
+    # The copy in place keeps every box: its 2 x 4 bf16 shards are whole copies, which
+    # go by PjRt where asked (the lossy copy program is refused).
     expect = 8 if pjrt and dst.spec == P("a") else 0
     assert by_pjrt.count("bfloat16") == expect
 

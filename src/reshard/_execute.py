@@ -424,12 +424,12 @@ def aliases(
 def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
     """Indices (among the planned arrays) of those copied shard by shard: every
     destination shard is the source shard at the same position of the other
-    sharding's device list, none of the destination devices holds a source shard, no
-    source device is to be avoided, and the memory kind stays. PjRt copies those
-    device to device in one batched call (``_compat.copy_shards``; it reads every
-    source shard), with less overhead per array than any executor: a tree
-    of 512 arrays of 64 KiB moved between two device sets in ~12 ms that way, against
-    ~30 ms through the host executor and ~18 ms through ``jax.device_put``."""
+    sharding's device list, no source device is to be avoided, and either the memory
+    kind changes or none of the destination devices holds a source shard. PjRt copies
+    those in one batched call (``_compat.copy_shards``; it reads every source shard),
+    with less overhead per array than any executor: a tree of 512 arrays of 64 KiB
+    moved between two device sets in ~12 ms that way, against ~30 ms through the host
+    executor and ~18 ms through ``jax.device_put``."""
     # Device order differs between the private and the public path (see _compat).
     key = f"copied_whole(private={_compat.USE_PRIVATE})"
     whole = plan._cache.get(key)
@@ -453,17 +453,19 @@ def _whole_copy(
 ) -> bool:
     """``_copied_whole``'s test for one (non-key) array (memoised: the arrays of a tree
     share their shardings and shapes). ``use_private`` is part of the key only."""
-    from ._api import shard_specs  # (the API layer imports this module)
+    from ._api import _memory_kind, shard_specs  # (the API layer imports this module)
 
     del use_private
-    if src.memory_kind != dst.memory_kind:
-        return False
     src_devs, dst_devs = _compat.ordered_devices(src), _compat.ordered_devices(dst)
     src_ids = {d.id for d in src_devs}
     if (
         len(src_devs) != len(dst_devs)
-        or src_ids & {d.id for d in dst_devs}
         or src_ids & avoid  # the copy reads every source shard
+        # Within one memory kind, only between devices: a device's copy of its own
+        # buffer by a program is far faster on accelerators (``copies_in_place``). A
+        # change of memory kind is a transfer wherever the shard goes: PjRt's, as
+        # ``jax.device_put``'s, batched for the whole call.
+        or (_memory_kind(src) == _memory_kind(dst) and src_ids & {d.id for d in dst_devs})
     ):
         return False
     src_box = {s.device: s.box for s in shard_specs(src, shape)}
