@@ -26,7 +26,7 @@ from typing import Any
 
 from ._timing import fresh_arrays
 
-SCENARIOS = ("disjoint", "sync", "relayout", "shrink", "leaves", "narrow")
+SCENARIOS = ("disjoint", "sync", "relayout", "shrink", "leaves", "narrow", "offload")
 # What `reshard bench` prints under the table: how to read this suite's columns.
 FOOTER = (
     "times are medians of one run; ratios are the suite's own (vs_device_put > 1: "
@@ -155,6 +155,16 @@ def scenario(name: str, size_mb: float) -> tuple[dict[str, Any], dict[str, Any],
             _make_tree(shapes, dict.fromkeys(shapes, one_src)),
             dict.fromkeys(shapes, one_dst),
             False,
+        )
+    if name == "offload":
+        # Optimizer state offloaded to host memory between steps: 512 arrays of 64 KiB
+        # that only change memory kind, on the same devices.
+        shapes = {f"m{i:03d}": ((128, 128), "float32") for i in range(512)}
+        mesh = Mesh(devs[:8], ("fsdp",))
+        return (
+            _make_tree(shapes, dict.fromkeys(shapes, NamedSharding(mesh, P("fsdp")))),
+            dict.fromkeys(shapes, NamedSharding(mesh, P("fsdp"), memory_kind="pinned_host")),
+            True,
         )
     if name == "narrow":
         # Narrow matrices (MoE routers: one column per expert) from row shards to
