@@ -364,6 +364,7 @@ def _memory_kind_case(src_kind, dst_ids, dst_kind, n=6):
     return [place(t, src) for t in truth], truth, dst
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
 @pytest.mark.parametrize("executor", ["auto", "host", "device"])
 @pytest.mark.parametrize(
     "dst_ids", [[0, 1, 2, 3], [3, 2, 1, 0], [2, 3, 4, 5]], ids=["same", "permuted", "overlapping"]
@@ -372,7 +373,7 @@ def _memory_kind_case(src_kind, dst_ids, dst_kind, n=6):
     "src_kind,dst_kind", [(a, b) for a in MEMORY_KINDS for b in MEMORY_KINDS if a != b]
 )
 def test_memory_kind_changes_of_whole_shards_are_one_batched_copy(
-    monkeypatch, executor, dst_ids, src_kind, dst_kind
+    monkeypatch, executor, dst_ids, src_kind, dst_kind, donate
 ):
     # Each shard stays whole and only changes memory kind (and perhaps device): PjRt
     # copies every such array of the call in one batched call, as jax.device_put does,
@@ -386,7 +387,6 @@ def test_memory_kind_changes_of_whole_shards_are_one_batched_copy(
     monkeypatch.setattr(
         _compat, "copy_shards", lambda xs, ss: calls.append(len(xs)) or real(xs, ss)
     )
-    donate = dst_ids == [3, 2, 1, 0]
     before = [pointers(v) for v in x]
     y = reshard.reshard(x, [dst] * len(x), executor=executor, donate=donate)
     assert calls == [len(x)], calls
