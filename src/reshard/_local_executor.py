@@ -586,8 +586,9 @@ def run_device(
             alldevs[d.id] = d
 
     # Source shards in a host memory kind are staged in device memory once per call,
-    # however many pieces are read from them, all in one batched transfer (one call
-    # per shard cost ~0.15 ms each on CPU).
+    # however many pieces are read from them, all in one batched transfer (a call per
+    # shard cost ~60 us each on CPU: 64 arrays of 8 shards from pinned_host, 77 ms
+    # against 45).
     read = {(s.leaf, jobs[s.leaf].plan.spec.src[s.src].device) for s in program.send_order}
     for (li, _di), inputs in program.piece_inputs.items():
         spec = jobs[li].plan.spec
