@@ -110,12 +110,19 @@ def test_reshard_moves_are_explicit_transfers(
         monkeypatch.setattr(_compat, "_explicit_put_scope", None)
     truth = _special_values(np.float32)
     x = place(truth, NamedSharding(WORLD, P("data")))
-    dst = NamedSharding(HALF, P(None, "model"))
+    dsts = [
+        NamedSharding(HALF, P(None, "model")),  # a relayout
+        # Only the memory kind changes: PjRt's batched copy of whole shards.
+        NamedSharding(WORLD, P("data"), memory_kind="pinned_host"),
+        # A relayout into another memory kind: the device executor's batched moves.
+        NamedSharding(WORLD, P(None, "data"), memory_kind="pinned_host"),
+    ]
     capfd.readouterr()
-    for executor in ("host", "device", "collective"):
-        with jax.transfer_guard("log"):
-            y = reshard.reshard(x, dst, executor=executor)
-        check_result(y, truth, dst)
+    for dst in dsts:
+        for executor in ("host", "device", "collective"):
+            with jax.transfer_guard("log"):
+                y = reshard.reshard(x, dst, executor=executor)
+            check_result(y, truth, dst)
     err = capfd.readouterr().err
     assert "transfer" not in err, err
 

@@ -430,15 +430,18 @@ def copy_shards(xs: Sequence[jax.Array], shardings: Sequence[Sharding]) -> list[
     ``k`` of its new sharding's (device to device; PjRt's own copy).
 
     Only for arrays whose new sharding gives every position the same index as the old
-    one, on other devices: the caller checks that. The public fallback,
-    ``jax.device_put``, takes the same path where it sees the shardings as equal, and
-    is otherwise still correct (slower).
+    one, on other devices or in another memory kind: the caller checks that. The
+    public fallback, ``jax.device_put``, takes the same path where it sees the
+    shardings as equal, and is otherwise still correct (slower).
     """
     if not xs:
         return []
     if (
         USE_PRIVATE
         and _batched_copy is not None
+        # (Without the explicit scope its copies would be implicit transfers, logged or
+        # refused by jax.transfer_guard: jax.device_put's are explicit.)
+        and _explicit_put_scope is not None
         and all(_assignment_known(s) for s in (*shardings, *(x.sharding for x in xs)))
     ):
         try:

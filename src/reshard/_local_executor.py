@@ -345,22 +345,18 @@ def in_compute_memory_all(shards: Sequence[tuple[jax.Array, Any]]) -> dict[int, 
 
 def in_memory_kinds(shards: Sequence[tuple[jax.Array, Any, str | None]]) -> list[jax.Array]:
     """Each ``(shard, device, memory kind)``'s shard in that memory kind of its device
-    (``None``: where it is), those not there already moved in one batched
-    ``jax.device_put`` (a dispatch per call on accelerators, not per shard)."""
+    (``None``: where it is), those not there already moved in one batched copy
+    (``_compat.copy_shards``: a dispatch per call, not per shard)."""
     out = [a for a, _, _ in shards]
     move = [
         i for i, (a, _, mk) in enumerate(shards) if mk is not None and a.sharding.memory_kind != mk
     ]
-    if move:
-        placed = jax.device_put(
-            [out[i] for i in move],
-            [
-                jax.sharding.SingleDeviceSharding(shards[i][1], memory_kind=shards[i][2])
-                for i in move
-            ],
-        )
-        for i, p in zip(move, placed, strict=True):
-            out[i] = p
+    placed = _compat.copy_shards(
+        [out[i] for i in move],
+        [jax.sharding.SingleDeviceSharding(shards[i][1], memory_kind=shards[i][2]) for i in move],
+    )
+    for i, p in zip(move, placed, strict=True):
+        out[i] = p
     return out
 
 
@@ -620,20 +616,22 @@ def run_device(
                 payload[ids[id(send)]] = compute_ready(send.leaf, src_dev)
             else:
                 payload[ids[id(send)]] = next(it)
-    # 2. One batched device-to-device transfer for every piece.
-    order = sorted(payload)
-    moved = (
-        jax.device_put(
-            [payload[i] for i in order],
-            [
-                jax.sharding.SingleDeviceSharding(alldevs[program.send_order[i].dst_device])
-                for i in order
-            ],
-        )
-        if order
-        else []
+    # 2. One batched device-to-device transfer for every piece that changes device
+    # (one that only changes memory kind is already where it is built).
+    recv = dict(payload)
+    order = [
+        i
+        for i in sorted(payload)
+        if alldevs[program.send_order[i].dst_device] not in payload[i].devices()
+    ]
+    moved = _compat.copy_shards(
+        [payload[i] for i in order],
+        [
+            jax.sharding.SingleDeviceSharding(alldevs[program.send_order[i].dst_device])
+            for i in order
+        ],
     )
-    recv = dict(zip(order, moved, strict=True))
+    recv.update(zip(order, moved, strict=True))
     # The cut pieces go once their transfers are done (JAX holds them until then), not
     # when this returns: they and the destination shards need not coexist.
     del payload, cut, it
@@ -694,18 +692,17 @@ def run_device(
             for i, (p, (_, d)) in enumerate(zip(parts, tg, strict=True))
             if (p.sharding.memory_kind != mk and mk is not None) or d not in p.devices()
         )
-    if fix:
-        placed = jax.device_put(
-            [all_parts[li][i] for li, i in fix],
-            [
-                jax.sharding.SingleDeviceSharding(
-                    placements[li][i][1], memory_kind=shardings[li].memory_kind
-                )
-                for li, i in fix
-            ],
-        )
-        for (li, i), p in zip(fix, placed, strict=True):
-            all_parts[li][i] = p
+    placed = _compat.copy_shards(
+        [all_parts[li][i] for li, i in fix],
+        [
+            jax.sharding.SingleDeviceSharding(
+                placements[li][i][1], memory_kind=shardings[li].memory_kind
+            )
+            for li, i in fix
+        ],
+    )
+    for (li, i), p in zip(fix, placed, strict=True):
+        all_parts[li][i] = p
     return [
         _compat.assemble(job.plan.spec.shape, job.dtype, sharding, parts, [d for _, d in tg])
         for job, sharding, tg, parts in zip(jobs, shardings, placements, all_parts, strict=True)
