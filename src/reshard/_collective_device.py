@@ -259,7 +259,7 @@ def block_inputs(
     missing: dict[int, list[int]] = defaultdict(list)  # device id -> leaves lacking a block
     held = {li: _compat.device_buffers(sources[li]) for li in leaves}
     # Shards in a host memory kind go to device memory (programs read that) in one
-    # batched jax.device_put for the group, not one call per shard.
+    # batched copy for the group, not one call per shard.
     staged = in_compute_memory_all(
         [(held[li][d.id], d) for li in leaves for d in program.local_devices if d.id in held[li]]
     )
@@ -351,9 +351,8 @@ def assemble(
     shardings: Sequence[jax.sharding.Sharding],
 ) -> list[jax.Array]:
     """Every leaf's destination array (``assemble_parts``). Shards bound for a host
-    memory kind move there in one batched ``jax.device_put`` for the whole call, not
-    one call per shard (a dispatch each: thousands for hundreds of arrays on 8
-    accelerators)."""
+    memory kind move there in one batched copy for the whole call, not one call per
+    shard (a dispatch each: thousands for hundreds of arrays on 8 accelerators)."""
     parts = [
         assemble_parts(program, li, src, out, sharding)
         for li, (src, out, sharding) in enumerate(zip(sources, outputs, shardings, strict=True))

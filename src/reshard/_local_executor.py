@@ -335,8 +335,8 @@ def copies_in_place(arrays: Sequence[jax.Array]) -> list[jax.Array]:
 def in_compute_memory_all(shards: Sequence[tuple[jax.Array, Any]]) -> dict[int, jax.Array]:
     """Each ``(shard, device)``'s shard in ``device``'s default memory (compiled
     programs read device memory, so shards in host memory kinds are staged there
-    first), in one batched ``jax.device_put``: by ``id`` of each shard that had to
-    move, its staged copy."""
+    first), in one batched copy (``in_memory_kinds``): by ``id`` of each shard that
+    had to move, its staged copy."""
     # (A shard whose sharding names no memory kind is in the default one.)
     named = [(a, d) for a, d in shards if a.sharding.memory_kind is not None]
     placed = in_memory_kinds([(a, d, d.default_memory().kind) for a, d in named])
