@@ -677,7 +677,7 @@ def _run_watching_live_buffers(x, dst, may_alias=None):
     programs and transfers."""
     import gc
 
-    from reshard import _local_executor
+    from reshard import _compat, _local_executor
 
     # A first run checks which types this platform's programs carry (``_exact``): its
     # probe arrays, garbage in cycles until collected, would count as new buffers.
@@ -698,14 +698,20 @@ def _run_watching_live_buffers(x, dst, may_alias=None):
 
         return call
 
-    program, device_put = _local_executor._program, jax.device_put
+    program, device_put, copy_shards = (
+        _local_executor._program,
+        jax.device_put,
+        _compat.copy_shards,
+    )
     _local_executor._program = lambda *key: watch(program(*key))
     jax.device_put = watch(device_put)
+    _compat.copy_shards = watch(copy_shards)  # (the executor's batched transfers)
     try:
         p = reshard.plan(x, dst, executor="device")
         y = p.execute(x, may_alias=may_alias)
     finally:
         _local_executor._program, jax.device_put = program, device_put
+        _compat.copy_shards = copy_shards
     return y, p, seen
 
 
