@@ -20,7 +20,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import reshard
-from reshard import _collective_device, _collective_executor, _exact, _local_executor, _programs
+from reshard import (
+    _collective_device,
+    _collective_executor,
+    _compat,
+    _exact,
+    _local_executor,
+    _programs,
+)
 
 FLOATS = [
     "float32",
@@ -166,6 +173,13 @@ def test_device_executor_moves_inexact_types_through_host_memory(
         return real_put(x, *args, **kw)
 
     monkeypatch.setattr(jax, "device_put", put)
+    real_copy = _compat.copy_shards
+
+    def copy(xs, shardings):  # (PjRt's batched copy, called directly)
+        by_pjrt.extend(str(a.dtype) for a in xs)
+        return real_copy(xs, shardings)
+
+    monkeypatch.setattr(_compat, "copy_shards", copy)
     truth, x = _tree(np.random.default_rng(0))
     routed = {}
     for name in ("run_host", "run_device"):

@@ -399,17 +399,11 @@ def test_memory_kind_changes_of_whole_shards_are_one_batched_copy(
     # copies every such array of the call in one batched call, as jax.device_put does,
     # instead of the executors' per-shard work (which took ~2x jax.device_put's time
     # on 64 small arrays).
-    from reshard import _compat
-
     x, truth, dst = _memory_kind_case(src_kind, dst_ids, dst_kind)
-    calls = []
-    real = _compat.copy_shards
-    monkeypatch.setattr(
-        _compat, "copy_shards", lambda xs, ss: calls.append(len(xs)) or real(xs, ss)
-    )
+    calls = _count_transfer_calls(monkeypatch)
     before = [pointers(v) for v in x]
     y = reshard.reshard(x, [dst] * len(x), executor=executor, donate=donate)
-    assert calls == [len(x)], calls
+    assert calls == [("copy_shards", len(x))], calls
     for v, t, ptrs in zip(y, truth, before, strict=True):
         check_result(v, t, dst)
         assert not set(pointers(v).values()) & set(ptrs.values())

@@ -276,9 +276,7 @@ def run_host(
         stay = [i for i, w in enumerate(whole) if w[2].sharding == w[3]]
         go = [i for i, w in enumerate(whole) if w[2].sharding != w[3]]
         done = dict(zip(stay, copies_in_place([whole[i][2] for i in stay]), strict=True))
-        moved = jax.device_put(
-            [whole[i][2] for i in go], [whole[i][3] for i in go], may_alias=False
-        )
+        moved = _compat.copy_shards([whole[i][2] for i in go], [whole[i][3] for i in go])
         done.update(zip(go, moved, strict=True))
         for i, (li, k, _, _) in enumerate(whole):
             leaves[li][0][k] = done[i]
@@ -468,6 +466,12 @@ class DeviceProgram:
             for dev, sends in self.sends.items()
         }
         self.outputs = {dev: self._outputs(targets) for dev, targets in self.builds.items()}
+        # The (leaf, source device) shards the programs read, staged once per call.
+        reads = {(s.leaf, self.jobs[s.leaf].plan.spec.src[s.src].device) for s in self.send_order}
+        for (li, _di), pieces in self.piece_inputs.items():
+            spec = self.jobs[li].plan.spec
+            reads.update((li, spec.src[ref].device) for kind, ref, _sl in pieces if kind == "local")
+        self.reads = sorted(reads)
         self._fns: dict[tuple[str, int], Any] = {}
 
     def compiled(self, what: Callable[..., Any], device_id: int) -> Any:
@@ -585,14 +589,9 @@ def run_device(
     # however many pieces are read from them, all in one batched transfer (a call per
     # shard cost ~60 us each on CPU: 64 arrays of 8 shards from pinned_host, 77 ms
     # against 45).
-    read = {(s.leaf, jobs[s.leaf].plan.spec.src[s.src].device) for s in program.send_order}
-    for (li, _di), inputs in program.piece_inputs.items():
-        spec = jobs[li].plan.spec
-        read.update((li, spec.src[ref].device) for kind, ref, _sl in inputs if kind == "local")
-    wanted = sorted(read)
-    shards = [bufs[li][dev] for li, dev in wanted]
+    shards = [bufs[li][dev] for li, dev in program.reads]
     staged_by_id = in_compute_memory_all([(a, next(iter(a.devices()))) for a in shards])
-    staged = {key: staged_by_id.get(id(a), a) for key, a in zip(wanted, shards, strict=True)}
+    staged = {key: staged_by_id.get(id(a), a) for key, a in zip(program.reads, shards, strict=True)}
 
     def compute_ready(li: int, device_id: int) -> jax.Array:
         return staged[(li, device_id)]
