@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import check_result, failing_identity_after, place, pointers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -948,6 +950,144 @@ def test_plan_cache_is_bounded(monkeypatch):
             jax.ShapeDtypeStruct((2 * (n + 1),), np.float32, sharding=src), sharding([2, 3])
         )
     assert _api.plan_cache_size() == 3
+
+
+def test_cached_lookup_of_live_arrays_skips_the_leaf_checks(tree, monkeypatch):
+    # A call whose leaves are all live jax.Arrays finds its cached plan by what the
+    # arrays are (the quick key), without building the per-leaf key again; the result
+    # is the same plan object and the same values.
+    from reshard import _api, _execute
+
+    reshard.clear_plan_cache()
+    dst = {"w": sharding([4, 5]), "b": sharding([6, 7])}
+    first = reshard.plan(tree, dst)
+    calls = {"leaf_info": 0, "check_leaf": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+
+        return wrapper
+
+    monkeypatch.setattr(_api, "_leaf_info", counted("leaf_info", _api._leaf_info))
+    monkeypatch.setattr(_execute, "_check_leaf", counted("check_leaf", _execute._check_leaf))
+    # New array objects over new buffers, as after a training step.
+    again = {k: place(np.asarray(v), v.sharding) for k, v in tree.items()}
+    assert reshard.plan(again, dst) is first
+    out = reshard.reshard(again, dst, cache_resharding_plans=True)
+    assert calls == {"leaf_info": 0, "check_leaf": 0}
+    check_result(out["w"], np.arange(32, dtype=np.float32).reshape(8, 4), dst["w"])
+    check_result(out["b"], np.arange(8, dtype=np.int32), dst["b"])
+    # One sharding for the whole tree takes the shortcut too.
+    whole = reshard.plan(tree, sharding([4, 5]))
+    calls["leaf_info"] = 0
+    assert reshard.plan(again, sharding([4, 5])) is whole
+    assert calls["leaf_info"] == 0
+    # Plan.execute still checks what it is given.
+    with pytest.raises(ValueError, match=r"leaf \['b'\]: the plan was built for int32\[8\]"):
+        first.execute({"w": again["w"], "b": place(np.arange(8.0), sharding([0, 1]))})
+    assert calls["check_leaf"] > 0
+    # Leaves the shortcut does not take (a ShapeDtypeStruct, a deleted array) go the
+    # full way, with its errors.
+    spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()}
+    assert reshard.plan(spec, dst) is first
+    assert calls["leaf_info"] == 2
+    with pytest.raises(ValueError, match="holds no data"):
+        reshard.reshard(spec, dst, cache_resharding_plans=True)
+    again["w"].delete()
+    with pytest.raises(ValueError, match=r"leaf \['w'\] is a deleted jax.Array"):
+        reshard.reshard(again, dst, cache_resharding_plans=True)
+    reshard.clear_plan_cache()
+    assert not _api._quick
+
+
+def test_a_cached_plan_follows_each_input_weak_type():
+    # Weakly and strongly typed arrays of one shape, dtype and sharding share a plan;
+    # each output is typed as its own input, as jax.device_put types it.
+    reshard.clear_plan_cache()
+    src, dst = sharding([0, 1]), sharding([2, 3])
+    weak = place(jax.numpy.full((8,), 2.0), src)
+    strong = place(np.full((8,), 2.0, np.float32), src)
+    assert weak.weak_type and not strong.weak_type
+    for x in (weak, strong, weak, strong):
+        y = reshard.reshard(x, dst, cache_resharding_plans=True)
+        assert y.weak_type == x.weak_type == jax.device_put(x, dst).weak_type
+        check_result(y, np.full((8,), 2.0, np.float32), dst)
+    assert reshard.plan(weak, dst) is reshard.plan(strong, dst)
+
+
+_CALLS = [  # (tree maker, destination maker, executor, avoid_devices)
+    (lambda a: {"w": a["f8x4@01"], "b": a["i8@01"]}, lambda: sharding([4, 5]), "auto", ()),
+    (lambda a: {"w": a["f8x4@01"], "b": a["i8@01"]}, lambda: sharding([4, 5]), "host", ()),
+    (lambda a: {"w": a["f8x4@01"], "b": a["i8@01"]}, lambda: sharding([6, 7]), "auto", ()),
+    (
+        lambda a: {"w": a["f8x4@01"], "b": a["i8@01"]},
+        lambda: {"w": sharding([4, 5]), "b": sharding([6, 7])},
+        "auto",
+        (),
+    ),
+    (lambda a: {"w": a["f8x4@0123"], "b": a["i8@01"]}, lambda: sharding([4, 5]), "auto", ()),
+    (lambda a: {"w": a["i8x4@01"], "b": a["i8@01"]}, lambda: sharding([4, 5]), "auto", ()),
+    (lambda a: {"w": a["f4x8@01"], "b": a["i8@01"]}, lambda: sharding([4, 5]), "auto", ()),
+    (lambda a: {"v": a["f8x4@01"], "b": a["i8@01"]}, lambda: sharding([4, 5]), "auto", ()),
+    (lambda a: [a["f8x4@01"], a["i8@01"]], lambda: sharding([4, 5]), "auto", ()),
+    (lambda a: {"w": a["f8x4@0123r"], "b": a["i8@01"]}, lambda: sharding([4, 5]), "auto", [3]),
+    (lambda a: {"w": a["f8x4@0123r"], "b": a["i8@01"]}, lambda: sharding([4, 5]), "auto", ()),
+    (lambda a: a["f8x4@01"], lambda: sharding([4, 5], P(None, "a")), "auto", ()),
+    (lambda a: {"w": a["f8x4@01"], "b": np.arange(8)}, lambda: sharding([4, 5]), "auto", ()),
+]
+
+
+def _call_arrays():
+    out = {}
+    for name, (shape, dtype, ids) in {
+        "f8x4@01": ((8, 4), np.float32, [0, 1]),
+        "f8x4@0123": ((8, 4), np.float32, [0, 1, 2, 3]),
+        "i8x4@01": ((8, 4), np.int32, [0, 1]),
+        "f4x8@01": ((4, 8), np.float32, [0, 1]),
+        "i8@01": ((8,), np.int32, [0, 1]),
+    }.items():
+        out[name] = place(np.arange(np.prod(shape)).astype(dtype).reshape(shape), sharding(ids))
+    out["f8x4@0123r"] = place(np.ones((8, 4), np.float32), sharding([0, 1, 2, 3], P()))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, len(_CALLS) - 1), min_size=1, max_size=14))
+def test_the_quick_lookup_leaves_the_plan_cache_as_the_full_one_does(calls):
+    # The same calls with and without the shortcut: every call gets a plan for its own
+    # leaves, and the plan cache holds the same plans in the same LRU order after each
+    # call (processes must evict cross-process plans alike, whichever way they look
+    # them up). A cache of two makes the shortcut lead to evicted plans too.
+    from reshard import _api
+
+    arrays = _call_arrays()
+    runs = []
+    for use_quick in (True, False):
+        saved = (_api.PLAN_CACHE_SIZE, _api._quick_key)
+        _api.PLAN_CACHE_SIZE = 2
+        if not use_quick:
+            _api._quick_key = lambda *a: None
+        try:
+            reshard.clear_plan_cache()
+            seen = []
+            for c in calls:
+                make_tree, make_dst, executor, avoid = _CALLS[c]
+                x = make_tree(arrays)
+                p = reshard.plan(x, make_dst(), executor=executor, avoid_devices=avoid)
+                full = _api._plan(
+                    x, make_dst(), executor=executor, avoid_devices=avoid, cache=False
+                )[0]
+                assert p.leaves == full.leaves and p.treedef == full.treedef
+                assert p.executor == full.executor and p.avoid_devices == full.avoid_devices
+                assert [p is q for q in _api._local_cache.values()].count(True) == 1
+                seen.append([(k.value, id(v)) for k, v in _api._local_cache.items()])
+            runs.append([[k for k, _ in step] for step in seen])
+        finally:
+            _api.PLAN_CACHE_SIZE, _api._quick_key = saved
+            reshard.clear_plan_cache()
+    assert runs[0] == runs[1]
 
 
 class Layer:

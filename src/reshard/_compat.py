@@ -52,6 +52,12 @@ _distributed_state: Any = _private("jax._src.distributed", "global_state")
 USE_PRIVATE = True
 
 
+def array_type() -> Any:
+    """The type of a concrete ``jax.Array`` holding data (not a tracer, not a key
+    array), or None without the internals."""
+    return _ArrayImpl if USE_PRIVATE else None
+
+
 def distributed_client() -> Any:
     """The client of ``jax.distributed``'s coordination service (its key-value store:
     ``key_value_set``, ``blocking_key_value_get``, ...), or ``None`` where there is
