@@ -448,10 +448,18 @@ def copy_shards(xs: Sequence[jax.Array], shardings: Sequence[Sharding]) -> list[
         # (Without the explicit scope its copies would be implicit transfers, logged or
         # refused by jax.transfer_guard: jax.device_put's are explicit.)
         and _explicit_put_scope is not None
-        and all(_assignment_known(s) for s in (*shardings, *(x.sharding for x in xs)))
+        # (Each distinct sharding object once: a tree's arrays share a few of them.)
+        and all(
+            _assignment_known(s)
+            for s in {id(s): s for s in (*shardings, *(x.sharding for x in xs))}.values()
+        )
     ):
         try:
-            devices = [s._internal_device_list.addressable_device_list for s in shardings]
+            lists = {
+                id(s): s._internal_device_list.addressable_device_list
+                for s in {id(s): s for s in shardings}.values()
+            }
+            devices = [lists[id(s)] for s in shardings]
             return list(_batched_copy(list(xs), devices, list(shardings), [_ALWAYS_COPY] * len(xs)))
         except Exception:  # pragma: no cover - fall through to the public path
             pass
