@@ -212,7 +212,7 @@ def execute_plan(
         skip = set(whole)
         rest = [j for j in range(len(planned)) if j not in skip]
         copied = _compat.copy_shards([sources[j] for j in whole], [dst_shardings[j] for j in whole])
-        jobs = _jobs(plan)
+        jobs = _jobs(plan) if rest else []  # (built per plan: none needed here)
         tkey = f"targets(private={_compat.USE_PRIVATE})"  # as ``whole``
         targets = plan._cache.get(tkey)
         if targets is None:

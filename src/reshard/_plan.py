@@ -48,11 +48,12 @@ def plan_processes(leaves: Sequence[LeafInfo]) -> frozenset[int]:
     """The JAX processes holding a source or destination device of any leaf, read from
     the live devices (a pickled plan's devices are this runtime's once loaded)."""
     found: set[int] = set()
-    for leaf in leaves:
-        for sharding in (leaf.src_sharding, leaf.dst_sharding):
-            if sharding is not None:
-                devices: Any = sharding.device_set
-                found |= {d.process_index for d in devices}
+    # Each distinct sharding object once (a tree's leaves share a few).
+    shardings = {id(s): s for leaf in leaves for s in (leaf.src_sharding, leaf.dst_sharding)}
+    for sharding in shardings.values():
+        if sharding is not None:
+            devices: Any = sharding.device_set
+            found |= {d.process_index for d in devices}
     return frozenset(found)
 
 

@@ -269,9 +269,17 @@ def plan_leaves(
     # on its own (sharing would send every copy from the replicas the first one chose),
     # reusing the representative's regions.
     first: dict[tuple[object, ...], int] = {}
-    rep_of = [
-        first.setdefault((s.shape, s.itemsize, s.src, s.dst), li) for li, s in enumerate(leaves)
-    ]
+    # (Looked up by the shard tuples' identities first: hashing them costs ~1 us per
+    # shard, and a tree's leaves share a few such objects, ``shard_specs`` being
+    # memoised. Equal tuples that are other objects still meet in ``first``.)
+    by_id: dict[tuple[object, ...], int] = {}
+    rep_of = []
+    for li, ls in enumerate(leaves):
+        rep = by_id.get((ls.shape, ls.itemsize, id(ls.src), id(ls.dst)))
+        if rep is None:
+            rep = first.setdefault((ls.shape, ls.itemsize, ls.src, ls.dst), li)
+            by_id[(ls.shape, ls.itemsize, id(ls.src), id(ls.dst))] = rep
+        rep_of.append(rep)
     lost_of: dict[int, list[Box]] = {}
     # Per representative, its requests (a slice of ``requests``) if any has a choice.
     choices: dict[int, tuple[int, int]] = {}
