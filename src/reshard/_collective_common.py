@@ -188,8 +188,10 @@ def finish(
 ) -> jax.Array:
     """Puts this process's destination shards (numpy or on-device) together."""
     shape = tuple(lp.spec.shape)
-    if parts and not any(isinstance(p, jax.Array) for p in parts):
-        return _compat.assemble(shape, dtype, sharding, parts, devs)  # zero-copy on CPU
+    if not any(isinstance(p, jax.Array) for p in parts):
+        # Zero-copy on CPU; with no parts (no destination device in this process),
+        # ~5 us against ~25 through jax.make_array_from_single_device_arrays.
+        return _compat.assemble(shape, dtype, sharding, parts, devs)
     parts = _compat.place_host_buffers(parts, devs, sharding.memory_kind)
     return jax.make_array_from_single_device_arrays(shape, sharding, parts, dtype=dtype)
 

@@ -237,7 +237,7 @@ def assemble(
         except Exception:  # pragma: no cover - fall through to the public path
             pass
     out = place_host_buffers(buffers, devices, sharding.memory_kind)
-    return jax.make_array_from_single_device_arrays(shape, sharding, out)
+    return jax.make_array_from_single_device_arrays(shape, sharding, out, dtype=dtype)
 
 
 def device_put_aval(
