@@ -1002,6 +1002,29 @@ def test_cached_lookup_of_live_arrays_skips_the_leaf_checks(tree, monkeypatch):
     assert not _api._quick
 
 
+def test_a_plan_the_cache_drops_is_not_kept_alive_by_the_quick_lookup(monkeypatch):
+    # The shortcut holds keys, not plans: an evicted plan (and the compiled programs
+    # it holds) is freed as it was without the shortcut.
+    import gc
+    import weakref
+
+    from reshard import _api
+
+    monkeypatch.setattr(_api, "PLAN_CACHE_SIZE", 1)
+    reshard.clear_plan_cache()
+    x = place(np.arange(8.0), sharding([0, 1]))
+    first = reshard.plan(x, sharding([2, 3]))
+    assert reshard.plan(x, sharding([2, 3])) is first  # found by the shortcut
+    gone = weakref.ref(first)
+    del first
+    reshard.plan(x, sharding([4, 5]))  # evicts it
+    gc.collect()
+    assert gone() is None
+    # The shortcut's entry for it now leads nowhere, and the call plans again.
+    again = reshard.plan(x, sharding([2, 3]))
+    check_result(again.execute(x), np.arange(8.0, dtype=np.float32), sharding([2, 3]))
+
+
 def test_a_cached_plan_follows_each_input_weak_type():
     # Weakly and strongly typed arrays of one shape, dtype and sharding share a plan;
     # each output is typed as its own input, as jax.device_put types it.

@@ -43,9 +43,10 @@ _local_cache: OrderedDict[_Key, Plan] = OrderedDict()
 # keyed by what such a call is (the tree's structure, each array's shape, dtype and
 # sharding, each destination), without the leaf paths and checks the caches' own keys
 # are built from (~4 of ~5 ms of a cached lookup of 512 arrays). It only leads to an
-# entry of theirs, which a hit refreshes there as a lookup of its own would: what the
-# caches hold, and in what order, is the same with it as without it.
-_quick: OrderedDict[_Key, tuple[_Key, Plan]] = OrderedDict()
+# entry of theirs (by its key: a plan the caches drop is not kept alive here, nor its
+# compiled programs), which a hit refreshes there as a lookup of its own would: what
+# the caches hold, and in what order, is the same with it as without it.
+_quick: OrderedDict[_Key, _Key] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
@@ -249,12 +250,12 @@ def _plan(
             with _cache_lock:
                 found = _quick.get(quick)
                 if found is not None:
-                    key, hit = found
-                    store = _cache if hit.crosses_processes else _local_cache
-                    if store.get(key) is hit:
-                        store.move_to_end(key)
-                        _quick.move_to_end(quick)
-                        return hit, True
+                    for store in (_cache, _local_cache):
+                        hit = store.get(found)  # (usually the very key object stored there)
+                        if hit is not None:
+                            store.move_to_end(found)
+                            _quick.move_to_end(quick)
+                            return hit, True
                     del _quick[quick]  # that plan has left the cache
         except (ValueError, TypeError):
             cache = False  # (as below)
@@ -269,7 +270,7 @@ def _plan(
                     got = cached.get(key)
                     if got is not None:
                         cached.move_to_end(key)
-                        _remember_quick(quick, key, got)
+                        _remember_quick(quick, key)
                         return got, quick is not None
         except (ValueError, TypeError):
             # Pytree node metadata without plain equality (a numpy array, say) cannot
@@ -283,7 +284,7 @@ def _plan(
                 store[key] = result
                 while len(store) > PLAN_CACHE_SIZE:
                     store.popitem(last=False)
-                _remember_quick(quick, key, result)
+                _remember_quick(quick, key)
         except (ValueError, TypeError):
             pass  # as above: the plan is still good, only not cached
     return result, quick is not None
@@ -315,11 +316,11 @@ def _quick_key(x: Any, sharding: Any, executor: str, avoid: frozenset[int]) -> _
         return None
 
 
-def _remember_quick(quick: _Key | None, key: _Key, plan: Plan) -> None:
-    """Leads ``quick`` to ``plan``'s entry ``key`` in the plan cache (under its lock)."""
+def _remember_quick(quick: _Key | None, key: _Key) -> None:
+    """Leads ``quick`` to the plan cache's entry ``key`` (under its lock)."""
     if quick is None:
         return
-    _quick[quick] = (key, plan)
+    _quick[quick] = key
     _quick.move_to_end(quick)
     # Bounded like the caches; entries whose plan has left them go when next hit, or
     # here, oldest first.
