@@ -442,23 +442,19 @@ def copy_shards(xs: Sequence[jax.Array], shardings: Sequence[Sharding]) -> list[
     """
     if not xs:
         return []
+    # Each distinct sharding object once: a tree's arrays share a few of them.
+    targets = {id(s): s for s in shardings}
     if (
         USE_PRIVATE
         and _batched_copy is not None
         # (Without the explicit scope its copies would be implicit transfers, logged or
         # refused by jax.transfer_guard: jax.device_put's are explicit.)
         and _explicit_put_scope is not None
-        # (Each distinct sharding object once: a tree's arrays share a few of them.)
-        and all(
-            _assignment_known(s)
-            for s in {id(s): s for s in (*shardings, *(x.sharding for x in xs))}.values()
-        )
+        and all(_assignment_known(s) for s in targets.values())
+        and all(_assignment_known(s) for s in {id(x.sharding): x.sharding for x in xs}.values())
     ):
         try:
-            lists = {
-                id(s): s._internal_device_list.addressable_device_list
-                for s in {id(s): s for s in shardings}.values()
-            }
+            lists = {k: s._internal_device_list.addressable_device_list for k, s in targets.items()}
             devices = [lists[id(s)] for s in shardings]
             return list(_batched_copy(list(xs), devices, list(shardings), [_ALWAYS_COPY] * len(xs)))
         except Exception:  # pragma: no cover - fall through to the public path

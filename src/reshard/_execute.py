@@ -145,18 +145,10 @@ def execute_plan(
             f"x has structure {treedef}, but the plan was built for {plan.treedef}; "
             "build a new plan with reshard.plan(x, sharding)"
         )
-    # Weakly typed arrays (jax.device_put keeps that; so does finish).
-    if checked:
-        weak = {
-            i
-            for i, (leaf, v) in enumerate(zip(plan.leaves, values, strict=True))
-            if leaf.kind == ARRAY and v.weak_type
-        }
-    else:
-        weak = set()
-        for i, (leaf, v) in enumerate(zip(plan.leaves, values, strict=True)):
-            if _check_leaf(leaf, v) and leaf.kind == ARRAY and v.weak_type:
-                weak.add(i)
+    weak = set()  # weakly typed arrays (jax.device_put keeps that; so does finish)
+    for i, (leaf, v) in enumerate(zip(plan.leaves, values, strict=True)):
+        if (checked or _check_leaf(leaf, v)) and leaf.kind == ARRAY and v.weak_type:
+            weak.add(i)
     if jax.process_count() > 1 and plan.executor != "collective" and plan.crosses_processes:
         raise ValueError(
             f"the {plan.executor!r} executor runs in one process, but this plan's devices "

@@ -275,10 +275,10 @@ def plan_leaves(
     by_id: dict[tuple[object, ...], int] = {}
     rep_of = []
     for li, ls in enumerate(leaves):
-        rep = by_id.get((ls.shape, ls.itemsize, id(ls.src), id(ls.dst)))
+        quick = (ls.shape, ls.itemsize, id(ls.src), id(ls.dst))
+        rep = by_id.get(quick)
         if rep is None:
-            rep = first.setdefault((ls.shape, ls.itemsize, ls.src, ls.dst), li)
-            by_id[(ls.shape, ls.itemsize, id(ls.src), id(ls.dst))] = rep
+            rep = by_id[quick] = first.setdefault((ls.shape, ls.itemsize, ls.src, ls.dst), li)
         rep_of.append(rep)
     lost_of: dict[int, list[Box]] = {}
     # Per representative, its requests (a slice of ``requests``) if any has a choice.
