@@ -230,3 +230,229 @@ def test_environment_switch_turns_the_extension_off():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "False"
+
+
+def _c_contiguous_block(rng, shape, itemsize):
+    return np.ascontiguousarray(_block(rng, shape, itemsize))
+
+
+@st.composite
+def piece_sets(draw):
+    """Source shards of one rank and item size, destination shards, and boxes copied
+    out of the former into the latter (some overlapping: later rows write last)."""
+    rank = draw(st.integers(0, 4))
+    itemsize = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    dim = st.integers(1, 6)
+    srcs = [tuple(draw(dim) for _ in range(rank)) for _ in range(draw(st.integers(1, 3)))]
+    dsts = [tuple(draw(dim) for _ in range(rank)) for _ in range(draw(st.integers(1, 2)))]
+    work = []
+    for d in dsts:
+        pieces = []
+        for _ in range(draw(st.integers(0, 4))):
+            si = draw(st.integers(0, len(srcs) - 1))
+            ssl, dsl = [], []
+            for a, b in zip(srcs[si], d, strict=True):
+                n = draw(st.integers(0, min(a, b)))  # empty boxes too
+                i, j = draw(st.integers(0, a - n)), draw(st.integers(0, b - n))
+                ssl.append(slice(i, i + n))
+                dsl.append(slice(j, j + n))
+            pieces.append((si, tuple(ssl), tuple(dsl)))
+        work.append(pieces)
+    unused = draw(st.booleans())  # a source no piece reads may be passed as None
+    return itemsize, srcs, dsts, work, unused
+
+
+@needs_ext
+@settings(max_examples=300, deadline=None)
+@given(case=piece_sets(), stream=st.booleans())
+def test_copy_pieces_is_numpys_copy_bit_for_bit(case, stream):
+    from reshard._buffers import piece_table
+
+    itemsize, src_shapes, dst_shapes, work, unused = case
+    rng = np.random.default_rng(len(src_shapes) * 31 + itemsize)
+    srcs = [_c_contiguous_block(rng, s, itemsize) for s in src_shapes]
+    ours = [_c_contiguous_block(rng, d, itemsize) for d in dst_shapes]
+    numpys = [d.copy() for d in ours]
+    for d, pieces in zip(numpys, work, strict=True):
+        for si, ssl, dsl in pieces:
+            d[dsl] = srcs[si][ssl]
+    tables = [
+        piece_table(p, src_shapes, d, itemsize) for p, d in zip(work, dst_shapes, strict=True)
+    ]
+    assert all(t is not None for t in tables)  # rank 4 at most: 3 outer axes at most
+    read = {si for pieces in work for si, _, _ in pieces}
+    passed = [None if unused and si not in read else s for si, s in enumerate(srcs)]
+    fastcopy.copy_pieces(passed, list(zip(ours, tables, strict=True)), 0 if stream else 1 << 40)
+    for a, b in zip(ours, numpys, strict=True):
+        assert a.tobytes() == b.tobytes()  # the boxes, and nothing outside them
+
+
+def test_piece_table_merges_runs_and_gives_up_past_its_axes():
+    from reshard._buffers import piece_table
+
+    if fastcopy is None:
+        assert piece_table([(0, (slice(0, 2),), (slice(0, 2),))], [(4,)], (2,), 4) is None
+        return
+    # Whole rows of a row block are one run of bytes; a column block is rows.
+    rows = piece_table(
+        [(0, (slice(2, 4), slice(0, 8)), (slice(0, 2), slice(0, 8)))], [(4, 8)], (2, 8), 4
+    )
+    assert rows.shape == (1, fastcopy.TABLE_WIDTH)
+    assert list(rows[0, :5]) == [0, 0, 2 * 8 * 4, 2 * 8 * 4, 0]
+    cols = piece_table(
+        [(1, (slice(0, 4), slice(4, 8)), (slice(0, 4), slice(0, 4)))], [(1, 1), (4, 8)], (4, 4), 4
+    )
+    assert list(cols[0, :8]) == [1, 0, 16, 16, 1, 4, 16, 32]
+    empty = piece_table(
+        [(0, (slice(1, 1), slice(0, 8)), (slice(0, 0), slice(0, 8)))], [(4, 8)], (2, 8), 4
+    )
+    assert empty.shape == (0, fastcopy.TABLE_WIDTH)
+    # Four outer axes that no layout merges: more than the C loop walks.
+    box = (slice(0, 2), slice(0, 2), slice(0, 2), slice(0, 2), slice(0, 2))
+    assert piece_table([(0, box, box)], [(2, 4, 2, 4, 4)], (4, 2, 4, 2, 4), 1) is None
+
+
+@needs_ext
+def test_copy_pieces_refuses_bad_rows_and_writes_nothing():
+    from reshard._buffers import piece_table
+
+    src = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    good = piece_table(
+        [(0, (slice(0, 4), slice(0, 4)), (slice(0, 4), slice(0, 4)))], [(16, 16)], (8, 8), 1
+    )
+
+    def bad(**fields):
+        t = good.copy()
+        for name, value in fields.items():
+            t[
+                0,
+                ["src", "doff", "soff", "run", "outer"].index(name)
+                if not name.startswith("a")
+                else 5 + int(name[1:]),
+            ] = value
+        return t
+
+    dst = np.zeros((8, 8), np.uint8)
+    other = np.zeros((8, 8), np.uint8)
+    cases = [
+        ([src], [(dst, bad(src=1))], ValueError, "missing source"),
+        ([None], [(dst, good)], ValueError, "missing source"),
+        ([src], [(dst, bad(src=-1))], ValueError, "missing source"),
+        ([src], [(dst, bad(doff=61))], ValueError, "bounds"),  # 4 rows of 4 from 61
+        ([src], [(dst, bad(soff=256))], ValueError, "bounds"),
+        ([src], [(dst, bad(doff=-1))], ValueError, "bounds"),
+        ([src], [(dst, bad(run=65))], ValueError, "bounds"),
+        ([src], [(dst, bad(a0=1 << 62))], ValueError, "bounds"),  # a count that overflows
+        ([src], [(dst, bad(a1=-8))], ValueError, "bounds"),  # a negative step
+        ([src], [(dst, bad(a0=0))], ValueError, "bounds"),
+        ([src], [(dst, bad(outer=fastcopy.MAX_OUTER + 1))], ValueError, "bounds"),
+        ([src], [(dst, good[:, :-1].copy())], ValueError, "TABLE_WIDTH"),
+        ([src], [(src[4:12, 4:12].copy(), good), (src, good)], ValueError, "overlap"),
+        (
+            [src],
+            [(np.frombuffer(bytes(64), np.uint8), good)],
+            (BufferError, ValueError),
+            "read-only|writable",
+        ),
+        ([src[:, ::2]], [(dst, good)], (BufferError, ValueError), "contiguous"),
+        ([src], [(dst,)], TypeError, "dst, table"),
+    ]
+    for srcs, work, error, words in cases:
+        # Nothing is written, even into a destination whose own rows were all good.
+        with pytest.raises(error, match=words):
+            fastcopy.copy_pieces(srcs, [(other, good)] + work, 0)
+        assert not dst.any() and not other.any()
+    fastcopy.copy_pieces([src], [(dst, good)], 0)
+    assert dst[:4, :4].tobytes() == src[:4, :4].tobytes() and not dst[4:].any()
+    fastcopy.copy_pieces([], [], 0)  # nothing to do
+
+
+def _counting(monkeypatch, raises: bool = False) -> list[int]:
+    """Counts calls of ``copy_pieces`` (and makes them fail before copying, as the
+    C code refuses a buffer it cannot take, when ``raises``)."""
+    import types
+
+    calls = [0]
+
+    def copy_pieces(*args):
+        calls[0] += 1
+        if raises:
+            raise BufferError("a buffer that is not C-contiguous")
+        fastcopy.copy_pieces(*args)
+
+    stub = types.SimpleNamespace(
+        **{k: getattr(fastcopy, k) for k in dir(fastcopy) if not k.startswith("_")}
+    )
+    stub.copy_pieces = copy_pieces
+    monkeypatch.setattr(_buffers, "_fastcopy", stub)
+    return calls
+
+
+@needs_ext
+@settings(max_examples=40, deadline=None)
+@given(
+    case=cases(), mode=st.sampled_from(["tables", "numpy", "refused"]), seed=st.integers(0, 2**16)
+)
+def test_host_executor_is_exact_with_tables_without_and_when_refused(case, mode, seed):
+    # The host executor copies each array's small shards in one C call (its pieces as
+    # table rows), each large shard in one call on a copy thread; with the extension
+    # off, piece by piece; and piece by piece again where the C code refuses a buffer.
+    src, dst, shape, dtype = case
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _counting(mp, raises=mode == "refused")
+        mp.setattr(_buffers, "NATIVE_COPY", mode != "numpy")
+        run_case(src, dst, shape, dtype, executor="host", seed=seed)
+    if mode == "numpy":
+        assert calls[0] == 0
+
+
+def test_host_executor_fills_an_arrays_small_shards_in_one_call(monkeypatch):
+    # 16 arrays, each cut from row shards into (2 x 4) blocks on the same 8 devices:
+    # 4 pieces per destination shard, 32 per array, one C call per array.
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+    from reshard import _local_executor
+
+    if fastcopy is None or not _buffers.NATIVE_COPY:
+        pytest.skip("reshard._fastcopy is not built or is switched off")
+    devs = np.array(jax.devices()[:8])
+    src = NamedSharding(Mesh(devs, ("a",)), P("a", None))
+    dst = NamedSharding(Mesh(devs.reshape(2, 4), ("b", "c")), P("b", "c"))
+    truth = [np.random.default_rng(i).random((64, 32), np.float32) for i in range(16)]
+    xs = [jax.device_put(t, src) for t in truth]
+    calls = _counting(monkeypatch)
+    filled = []
+    monkeypatch.setattr(_local_executor, "_fill", lambda *a: filled.append(a))
+    ys = reshard.reshard(xs, [dst] * 16, executor="host")
+    assert calls[0] == 16 and not filled
+    for y, t in zip(ys, truth, strict=True):
+        assert np.asarray(y).tobytes() == t.tobytes() and y.sharding == dst
+        for s in y.addressable_shards:
+            assert np.asarray(s.data).tobytes() == t[s.index].tobytes()
+
+
+def test_host_executor_copies_pieces_past_the_tables_axes_one_by_one():
+    # A 7-D array cut from shards split along axes 0, 2, 4 into shards split along
+    # 1, 3, 5: each piece keeps four outer axes apart, more than the C loop walks, so
+    # piece_table gives up and the executor copies those pieces one by one, exactly.
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+    from reshard import _execute
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("a", "b", "c"))
+    truth = np.arange(4**6 * 2, dtype=np.int16).reshape(4, 4, 4, 4, 4, 4, 2)
+    x = jax.device_put(truth, NamedSharding(mesh, P("a", None, "b", None, "c")))
+    dst = NamedSharding(mesh, P(None, "a", None, "b", None, "c"))
+    plan = reshard.plan(x, dst, executor="host")
+    y = plan.execute(x)
+    (job,) = _execute._jobs(plan)
+    assert all(t is None for t in job.tables)
+    assert np.asarray(y).tobytes() == truth.tobytes() and y.sharding == dst
+    for s in y.addressable_shards:
+        assert np.asarray(s.data).tobytes() == truth[s.index].tobytes()

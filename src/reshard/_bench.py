@@ -26,7 +26,7 @@ from typing import Any
 
 from ._timing import fresh_arrays
 
-SCENARIOS = ("disjoint", "sync", "relayout", "shrink", "leaves", "narrow", "offload")
+SCENARIOS = ("disjoint", "sync", "relayout", "shrink", "leaves", "narrow", "offload", "blocks")
 # What `reshard bench` prints under the table: how to read this suite's columns.
 FOOTER = (
     "times are medians of one run; ratios are the suite's own (vs_device_put > 1: "
@@ -166,6 +166,14 @@ def scenario(name: str, size_mb: float) -> tuple[dict[str, Any], dict[str, Any],
             dict.fromkeys(shapes, NamedSharding(mesh, P("fsdp"), memory_kind="pinned_host")),
             True,
         )
+    if name == "blocks":
+        # Many small layers re-laid out from FSDP rows to 2-D (data, model) blocks on the
+        # same devices: 512 arrays of 256 KiB, each destination shard cut from 4 source
+        # shards (32 pieces per array, 16k per call).
+        shapes = {f"b{i:03d}": ((256, 256), "float32") for i in range(512)}
+        rows = NamedSharding(Mesh(devs[:8], ("fsdp",)), P("fsdp"))
+        blocks = NamedSharding(Mesh(devs[:8].reshape(2, 4), ("data", "model")), P("data", "model"))
+        return _make_tree(shapes, dict.fromkeys(shapes, rows)), dict.fromkeys(shapes, blocks), True
     if name == "narrow":
         # Narrow matrices (MoE routers: one column per expert) from row shards to
         # column shards on other devices: every piece is 32-byte rows.

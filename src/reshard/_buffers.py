@@ -81,6 +81,56 @@ def native_copy(dst: np.ndarray, src: np.ndarray) -> bool:
     return True
 
 
+def _c_strides(shape: Sequence[int], itemsize: int) -> list[int]:
+    strides = [itemsize] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        strides[k] = strides[k + 1] * shape[k + 1]
+    return strides
+
+
+def piece_table(
+    pieces: Sequence[tuple[int, tuple[slice, ...], tuple[slice, ...]]],
+    src_shapes: Sequence[tuple[int, ...]],
+    dst_shape: tuple[int, ...],
+    itemsize: int,
+) -> np.ndarray | None:
+    """The rows ``_fastcopy.copy_pieces`` copies ``pieces`` into one destination shard
+    by: per ``(source index, slices in the source, slices in the destination)``, both
+    shards C-contiguous, the box in bytes with its axes merged where both layouts run
+    on (a column block of whole rows becomes one run). Empty boxes have no row.
+    ``None`` where the extension is not built or a box needs more outer axes than it
+    walks (``MAX_OUTER``): then the pieces are copied one by one."""
+    if _fastcopy is None:
+        return None
+    width, max_outer = _fastcopy.TABLE_WIDTH, _fastcopy.MAX_OUTER
+    dst_strides = _c_strides(dst_shape, itemsize)
+    rows = []
+    for si, ssl, dsl in pieces:
+        shape = [sl.stop - sl.start for sl in ssl]
+        if 0 in shape:
+            continue
+        src_strides = _c_strides(src_shapes[si], itemsize)
+        soff = sum(sl.start * st for sl, st in zip(ssl, src_strides, strict=True))
+        doff = sum(sl.start * st for sl, st in zip(dsl, dst_strides, strict=True))
+        run = shape[-1] * itemsize if shape else itemsize
+        outer: list[list[int]] = []  # [count, dst step, src step], innermost first
+        for k in range(len(shape) - 2, -1, -1):
+            if shape[k] == 1:
+                continue
+            ds, ss = dst_strides[k], src_strides[k]
+            if not outer and ds == run and ss == run:
+                run *= shape[k]
+            elif outer and ds == outer[-1][0] * outer[-1][1] and ss == outer[-1][0] * outer[-1][2]:
+                outer[-1][0] *= shape[k]
+            else:
+                outer.append([shape[k], ds, ss])
+        if len(outer) > max_outer:
+            return None
+        row = [si, doff, soff, run, len(outer)] + [v for axis in outer for v in axis]
+        rows.append(row + [0] * (width - len(row)))
+    return np.array(rows, np.int64).reshape(len(rows), width)
+
+
 def copy_into(dst: np.ndarray, src: np.ndarray, at: tuple[slice, ...] = ()) -> None:
     """``dst[at] = src``, for ``dst[at]`` and ``src`` of one shape and element type, bit
     for bit.

@@ -166,7 +166,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--size-mb",
         type=size_mb,
         help="size of the LLM-shaped trees in MiB (suite default; the built-in suite's "
-        "leaves, narrow and offload cases keep their fixed sizes)",
+        "leaves, narrow, offload and blocks cases keep their fixed sizes)",
     )
     p.add_argument("--repeats", type=positive_int, help="timed repetitions (suite default)")
     p.add_argument("--cases", help="comma-separated cases to run, e.g. disjoint,relayout")

@@ -198,6 +198,152 @@ done:
     return result;
 }
 
+/* copy_pieces: many boxes out of C-contiguous source buffers into C-contiguous
+ * destination buffers in one call. A table row describes one box in bytes: */
+enum { T_SRC, T_DOFF, T_SOFF, T_ROW, T_OUTER, T_AXES };
+#define MAX_OUTER 3
+#define TABLE_WIDTH (T_AXES + 3 * MAX_OUTER) /* then (count, dst step, src step) each */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} held_buffer;
+
+static void release_all(held_buffer *b, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (b[i].held) PyBuffer_Release(&b[i].view);
+}
+
+/* Whether a box of row bytes at off, walked by the outer axes of row r, stays within
+ * [0, len): every term is checked against len before it is added, so nothing
+ * overflows. */
+static int box_fits(const int64_t *r, int64_t off, int dst, Py_ssize_t len) {
+    if (off < 0 || r[T_ROW] < 0 || off > len || r[T_ROW] > len - off) return 0;
+    int64_t end = off + r[T_ROW];
+    for (int64_t k = 0; k < r[T_OUTER]; k++) {
+        int64_t count = r[T_AXES + 3 * k], step = r[T_AXES + 3 * k + (dst ? 1 : 2)];
+        if (count < 1 || step < 0) return 0;
+        if (count > 1 && step > (len - end) / (count - 1)) return 0;
+        end += (count - 1) * step;
+    }
+    return 1;
+}
+
+static PyObject *fastcopy_copy_pieces(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *srcs_obj, *work_obj;
+    Py_ssize_t stream_bytes;
+    if (!PyArg_ParseTuple(args, "OOn:copy_pieces", &srcs_obj, &work_obj, &stream_bytes))
+        return NULL;
+    PyObject *srcs = PySequence_Fast(srcs_obj, "copy_pieces: srcs must be a sequence");
+    if (!srcs) return NULL;
+    PyObject *work = PySequence_Fast(work_obj, "copy_pieces: work must be a sequence");
+    if (!work) {
+        Py_DECREF(srcs);
+        return NULL;
+    }
+    Py_ssize_t ns = PySequence_Fast_GET_SIZE(srcs), nw = PySequence_Fast_GET_SIZE(work);
+    PyObject *result = NULL;
+    int streamed = 0;
+    held_buffer *sb = PyMem_Calloc((size_t)(ns > 0 ? ns : 1), sizeof(held_buffer));
+    held_buffer *wb = PyMem_Calloc((size_t)(nw > 0 ? 2 * nw : 1), sizeof(held_buffer));
+    if (!sb || !wb) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < ns; i++) {
+        PyObject *o = PySequence_Fast_GET_ITEM(srcs, i);
+        if (o == Py_None) continue;
+        if (PyObject_GetBuffer(o, &sb[i].view, PyBUF_SIMPLE) < 0) goto done;
+        sb[i].held = 1;
+    }
+    /* Take and check everything before the first byte is written: an error leaves
+     * every destination as it was. */
+    for (Py_ssize_t w = 0; w < nw; w++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(work, w);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "copy_pieces: work items must be (dst, table)");
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(pair, 0), &wb[2 * w].view,
+                               PyBUF_SIMPLE | PyBUF_WRITABLE) < 0)
+            goto done;
+        wb[2 * w].held = 1;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(pair, 1), &wb[2 * w + 1].view, PyBUF_SIMPLE) < 0)
+            goto done;
+        wb[2 * w + 1].held = 1;
+        const Py_buffer *d = &wb[2 * w].view, *t = &wb[2 * w + 1].view;
+        if (t->len % (Py_ssize_t)(TABLE_WIDTH * sizeof(int64_t)) || ((uintptr_t)t->buf & 7)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "copy_pieces: a table must be aligned int64 rows of TABLE_WIDTH");
+            goto done;
+        }
+        const char *dlo = (const char *)d->buf, *dhi = dlo + d->len;
+        const int64_t *rows = (const int64_t *)t->buf;
+        Py_ssize_t nrows = t->len / (Py_ssize_t)(TABLE_WIDTH * sizeof(int64_t));
+        for (Py_ssize_t i = 0; i < nrows; i++) {
+            const int64_t *r = rows + i * TABLE_WIDTH;
+            int64_t si = r[T_SRC];
+            if (si < 0 || si >= ns || !sb[si].held) {
+                PyErr_SetString(PyExc_ValueError, "copy_pieces: a row names a missing source");
+                goto done;
+            }
+            const Py_buffer *s = &sb[si].view;
+            if (r[T_OUTER] < 0 || r[T_OUTER] > MAX_OUTER || !box_fits(r, r[T_DOFF], 1, d->len) ||
+                !box_fits(r, r[T_SOFF], 0, s->len)) {
+                PyErr_SetString(PyExc_ValueError, "copy_pieces: a box out of its buffer's bounds");
+                goto done;
+            }
+            const char *slo = (const char *)s->buf, *shi = slo + s->len;
+            if (dlo < shi && slo < dhi) {
+                PyErr_SetString(PyExc_ValueError, "copy_pieces: dst and src overlap");
+                goto done;
+            }
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t w = 0; w < nw; w++) {
+        char *dbase = (char *)wb[2 * w].view.buf;
+        const int64_t *rows = (const int64_t *)wb[2 * w + 1].view.buf;
+        Py_ssize_t nrows = wb[2 * w + 1].view.len / (Py_ssize_t)(TABLE_WIDTH * sizeof(int64_t));
+        for (Py_ssize_t i = 0; i < nrows; i++) {
+            const int64_t *r = rows + i * TABLE_WIDTH;
+            int64_t c[MAX_OUTER] = {1, 1, 1}, ds[MAX_OUTER] = {0}, ss[MAX_OUTER] = {0};
+            int64_t bytes = r[T_ROW];
+            for (int64_t k = 0; k < r[T_OUTER]; k++) {
+                c[k] = r[T_AXES + 3 * k];
+                ds[k] = r[T_AXES + 3 * k + 1];
+                ss[k] = r[T_AXES + 3 * k + 2];
+                bytes *= c[k];
+            }
+            int stream = HAVE_STREAM && bytes >= stream_bytes;
+            streamed |= stream;
+            char *d0 = dbase + r[T_DOFF];
+            const char *s0 = (const char *)sb[r[T_SRC]].view.buf + r[T_SOFF];
+            for (int64_t a = 0; a < c[2]; a++)
+                for (int64_t b = 0; b < c[1]; b++)
+                    copy_plane(d0 + a * ds[2] + b * ds[1], s0 + a * ss[2] + b * ss[1], r[T_ROW],
+                               c[0], ds[0], ss[0], stream);
+        }
+    }
+#if HAVE_STREAM
+    if (streamed) _mm_sfence();
+#else
+    (void)streamed;
+#endif
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+done:
+    if (sb) release_all(sb, ns);
+    if (wb) release_all(wb, 2 * nw);
+    PyMem_Free(sb);
+    PyMem_Free(wb);
+    Py_DECREF(srcs);
+    Py_DECREF(work);
+    Py_XINCREF(result);
+    return result;
+}
+
 static PyMethodDef fastcopy_methods[] = {
     {"copy", fastcopy_copy, METH_VARARGS,
      "copy(dst, src, stream): dst[...] = src for two strided buffers of one shape and\n"
@@ -205,6 +351,15 @@ static PyMethodDef fastcopy_methods[] = {
      "contiguous run one memcpy, without the GIL. stream: write with non-temporal\n"
      "stores where the machine has them (x86-64), for copies much larger than the\n"
      "cache whose destination is not read again soon. Raises ValueError otherwise."},
+    {"copy_pieces", fastcopy_copy_pieces, METH_VARARGS,
+     "copy_pieces(srcs, work, stream_bytes): for each (dst, table) of work, copies\n"
+     "the boxes the table's rows describe out of the C-contiguous buffers srcs (None\n"
+     "where unused) into dst, without the GIL. A row is TABLE_WIDTH int64s: source\n"
+     "index, dst byte offset, src byte offset, contiguous row bytes, number of outer\n"
+     "axes (at most MAX_OUTER), then (count, dst step, src step) per outer axis,\n"
+     "innermost first. Boxes of stream_bytes or more are written with non-temporal\n"
+     "stores. Every row is checked against its buffers' bounds before anything is\n"
+     "written; raises ValueError (nothing copied) otherwise."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -216,7 +371,9 @@ static struct PyModuleDef fastcopy_module = {
 
 PyMODINIT_FUNC PyInit__fastcopy(void) {
     PyObject *m = PyModule_Create(&fastcopy_module);
-    if (m && PyModule_AddIntConstant(m, "HAVE_STREAM", HAVE_STREAM) < 0) {
+    if (m && (PyModule_AddIntConstant(m, "HAVE_STREAM", HAVE_STREAM) < 0 ||
+              PyModule_AddIntConstant(m, "TABLE_WIDTH", TABLE_WIDTH) < 0 ||
+              PyModule_AddIntConstant(m, "MAX_OUTER", MAX_OUTER) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -5,3 +5,8 @@ from typing import Any
 HAVE_STREAM: int
 
 def copy(dst: Any, src: Any, stream: bool, /) -> None: ...
+
+TABLE_WIDTH: int
+MAX_OUTER: int
+
+def copy_pieces(srcs: Any, work: Any, stream_bytes: int, /) -> None: ...

@@ -32,7 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _buffers, _compat, _exact, _programs
-from ._buffers import NATIVE, carve, copy_into, copy_rows, host_empty, native_copy
+from ._buffers import (
+    NATIVE,
+    carve,
+    copy_into,
+    copy_rows,
+    host_empty,
+    native_copy,
+    piece_table,
+)
 from ._geometry import box_shape, relative_slices
 from ._planner import LeafPlan
 
@@ -87,6 +95,11 @@ class LeafJob:
     # destination shard index -> the source shard index it is a whole copy of (the
     # same box: one piece, nothing cut or assembled)
     whole: dict[int, int]
+    # per destination shard: its copies as rows for ``_fastcopy.copy_pieces`` (one C
+    # call for all of them), or ``None`` where they are made one by one (``_fill``)
+    tables: tuple[np.ndarray | None, ...]
+    # per destination shard: the source shard indices its copies read
+    reads: tuple[tuple[int, ...], ...]
 
     @staticmethod
     def build(lp: LeafPlan, dtype: np.dtype) -> LeafJob:
@@ -112,7 +125,17 @@ class LeafJob:
             for di, c in enumerate(copies)
             if len(c) == 1 and spec.src[c[0][0]].box == spec.dst[di].box
         }
-        return LeafJob(lp, dt, copies, dict(lp.reused), dst_of, shapes, nbytes, whole)
+        src_shapes = [box_shape(s.box) for s in spec.src]
+        tables = tuple(
+            piece_table([c[:3] for c in cs], src_shapes, sh, dt.itemsize)
+            if _buffers.NATIVE_COPY
+            else None
+            for cs, sh in zip(copies, shapes, strict=True)
+        )
+        reads = tuple(tuple(sorted({c[0] for c in cs})) for cs in copies)
+        return LeafJob(
+            lp, dt, copies, dict(lp.reused), dst_of, shapes, nbytes, whole, tables, reads
+        )
 
 
 def _fill(
@@ -141,6 +164,25 @@ def _fill(
             except ValueError:  # pragma: no cover - a source with a strided last axis
                 copy_into(out, v[ssl], dsl)
     return out
+
+
+def _fill_all(
+    job: LeafJob,
+    outs: Sequence[tuple[np.ndarray, int]],
+    bufs: dict[int, Any],
+    views: dict[int, np.ndarray],
+) -> None:
+    """Fills ``(destination shard, its index)``s of one array by one call of the C
+    extension (``job.tables``; ``views`` holds every source they read), or, where a
+    source view is not a plain C-contiguous buffer, copy by copy (``_fill``)."""
+    n = len(job.plan.spec.src)
+    srcs = [views.get(si) for si in range(n)]
+    work = [(out, job.tables[di]) for out, di in outs]
+    try:
+        _buffers._fastcopy.copy_pieces(srcs, work, _buffers.STREAM_COPY_BYTES)
+    except (BufferError, ValueError):  # checked before any byte is written
+        for out, di in outs:
+            _fill(out, job.copies[di], bufs, job.plan.spec.src, views)
 
 
 # Shards below this size are carved out of a shared allocation per array (or per run
@@ -216,9 +258,10 @@ def run_host(
         this process, in the order of the sharding's addressable devices.
       alias: per array, whether its unchanged shards are handed over without a copy.
     """
-    pjrt = PJRT_WHOLE_SHARDS
-    if pjrt is None:  # (one plan is on one platform)
-        pjrt = bool(sources) and _compat.platform_of(sources[0]) != "cpu"
+    on_cpu = bool(sources) and _compat.platform_of(sources[0]) == "cpu"  # (one plan, one)
+    pjrt = not on_cpu if PJRT_WHOLE_SHARDS is None else PJRT_WHOLE_SHARDS
+    # A host view of a shard: on CPU the buffer itself (``_compat.host_view``).
+    host_view = np.asarray if on_cpu else _compat.host_view
 
     def by_pjrt(job: LeafJob, di: int) -> bool:
         return bool(pjrt and di in job.whole and job.nbytes[di])
@@ -238,6 +281,7 @@ def run_host(
         )
     )
     big: list[tuple[int, Callable[[], Any]]] = []  # (bytes, copy) per large shard
+    batch: list[tuple[np.ndarray, int]] = []  # one array's small shards to fill at once
     leaves: list[tuple[list[Any], list[Any]]] = []
     # (array, position among its shards, source shard, destination) to copy by PjRt
     whole: list[tuple[int, int, jax.Array, jax.sharding.Sharding]] = []
@@ -261,15 +305,30 @@ def run_host(
             else:
                 n = job.nbytes[di]
                 shape = job.shapes[di]
+                table = job.tables[di]
+                if table is not None:
+                    for si in job.reads[di]:
+                        if si not in views:
+                            views[si] = host_view(bufs[spec.src[si].device])
                 if n < SMALL_SHARD_BYTES:
                     out = next(small).view(job.dtype).reshape(shape)
-                    _fill(out, job.copies[di], bufs, spec.src, views)
+                    if table is not None:
+                        batch.append((out, di))
+                    else:
+                        _fill(out, job.copies[di], bufs, spec.src, views)
                 else:
                     out = host_empty(shape, job.dtype)
-                    fill = functools.partial(_fill, out, job.copies[di], bufs, spec.src, views)
+                    fill: Callable[[], Any] = (
+                        functools.partial(_fill_all, job, [(out, di)], bufs, views)
+                        if table is not None
+                        else functools.partial(_fill, out, job.copies[di], bufs, spec.src, views)
+                    )
                     big.append((n, fill))
                 dst_bufs.append(out)
             dst_devs.append(dev)
+        if batch:
+            _fill_all(job, batch, bufs, views)
+            batch = []
         leaves.append((dst_bufs, dst_devs))
     if whole:
         # Copies in place by ``copies_in_place``, the others by one batched PjRt copy.
