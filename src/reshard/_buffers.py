@@ -81,11 +81,11 @@ def native_copy(dst: np.ndarray, src: np.ndarray) -> bool:
     return True
 
 
-def _c_strides(shape: Sequence[int], itemsize: int) -> list[int]:
+def _c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
     strides = [itemsize] * len(shape)
     for k in range(len(shape) - 2, -1, -1):
         strides[k] = strides[k + 1] * shape[k + 1]
-    return strides
+    return tuple(strides)
 
 
 def piece_table(
@@ -104,29 +104,40 @@ def piece_table(
         return None
     width, max_outer = _fastcopy.TABLE_WIDTH, _fastcopy.MAX_OUTER
     dst_strides = _c_strides(dst_shape, itemsize)
+    strides_of: dict[tuple[int, ...], tuple[int, ...]] = {}
     rows = []
     for si, ssl, dsl in pieces:
         shape = [sl.stop - sl.start for sl in ssl]
         if 0 in shape:
             continue
-        src_strides = _c_strides(src_shapes[si], itemsize)
-        soff = sum(sl.start * st for sl, st in zip(ssl, src_strides, strict=True))
-        doff = sum(sl.start * st for sl, st in zip(dsl, dst_strides, strict=True))
+        src_shape = src_shapes[si]
+        src_strides = strides_of.get(src_shape)
+        if src_strides is None:
+            src_strides = strides_of[src_shape] = _c_strides(src_shape, itemsize)
+        soff = doff = 0
+        for a, b, sst, dstr in zip(ssl, dsl, src_strides, dst_strides, strict=True):
+            soff += a.start * sst
+            doff += b.start * dstr
         run = shape[-1] * itemsize if shape else itemsize
-        outer: list[list[int]] = []  # [count, dst step, src step], innermost first
+        row = [si, doff, soff, run, 0]  # then [count, dst step, src step] per outer axis
         for k in range(len(shape) - 2, -1, -1):
-            if shape[k] == 1:
+            n = shape[k]
+            if n == 1:
                 continue
             ds, ss = dst_strides[k], src_strides[k]
-            if not outer and ds == run and ss == run:
-                run *= shape[k]
-            elif outer and ds == outer[-1][0] * outer[-1][1] and ss == outer[-1][0] * outer[-1][2]:
-                outer[-1][0] *= shape[k]
-            else:
-                outer.append([shape[k], ds, ss])
-        if len(outer) > max_outer:
+            if len(row) == 5:
+                if ds == run and ss == run:
+                    run *= n
+                    row[3] = run
+                    continue
+            elif ds == row[-3] * row[-2] and ss == row[-3] * row[-1]:
+                row[-3] *= n
+                continue
+            row += (n, ds, ss)
+        outer = (len(row) - 5) // 3
+        if outer > max_outer:
             return None
-        row = [si, doff, soff, run, len(outer)] + [v for axis in outer for v in axis]
+        row[4] = outer
         rows.append(row + [0] * (width - len(row)))
     return np.array(rows, np.int64).reshape(len(rows), width)
 
