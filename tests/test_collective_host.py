@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 
 import reshard
+from reshard import _buffers
 from reshard import _collective_host as host
 from reshard._collective_common import all_copies
 
@@ -46,8 +47,11 @@ def trees(draw):
     return leaves
 
 
-def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
-    """Runs the host schedule of a plan of ``leaves`` split among ``processes``."""
+def simulate(leaves, processes: int, alias: bool, seed: int, mode: str = "tables") -> None:
+    """Runs the host schedule of a plan of ``leaves`` split among ``processes``:
+    ``mode`` "ops" copies op by op (``_fill``, ``_take``, ``_copy_local``), "tables"
+    as the executor does, each position's ops of a stage in one C call where the
+    extension is built, "refused" with every C call refused (op by op again)."""
     rng = np.random.default_rng(seed)
     truths = [np.asarray(random_values(rng, shape, dt)) for _, _, shape, dt in leaves]
     xs = [
@@ -99,7 +103,12 @@ def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
             for pos, ops in sched.pack[s].items():
                 assert process[pos] == me
                 bufs = [np.zeros(chunks[ci].nbytes, np.uint8) for ci in stage]
-                host._fill(bufs, views[pos], ops)
+                found = sched.pack_tables[s][pos]
+                assert (found is not None) is _buffers.NATIVE_COPY  # (rank 3 at most)
+                if mode == "ops" or found is None:
+                    host._fill(bufs, views[pos], ops)
+                else:
+                    host._fill_by_table(bufs, views[pos], ops, found)
                 sent[pos] = bufs
         for k, ci in enumerate(stage):
             ch = chunks[ci]
@@ -123,12 +132,21 @@ def simulate(leaves, processes: int, alias: bool, seed: int) -> None:
             for pos, (_, ops) in sched.unpack[s].items():
                 assert process[pos] == me
                 assert all(process[op[1]] == me for op in ops)  # reads what reached it
-                host._take(landed, outs.setdefault(pos, {}), ops, dtypes)
+                found = sched.unpack_tables[s][pos]
+                assert (found is not None) is _buffers.NATIVE_COPY  # (rank 3 at most)
+                if mode == "ops" or found is None:
+                    host._take(landed, outs.setdefault(pos, {}), ops, dtypes)
+                else:
+                    host._take_by_table(landed, outs.setdefault(pos, {}), ops, dtypes, found)
     for me, sched in enumerate(scheds):
         for li, per_pos in enumerate(sched.local_copies):
-            for pos, cps in per_pos.items():
-                assert process[pos] == me
-                host._copy_local(outs[pos][li], views, cps)
+            assert all(process[pos] == me for pos in per_pos)
+            if mode == "ops":
+                for pos, cps in per_pos.items():
+                    host._copy_local(outs[pos][li], views, cps)
+        if mode != "ops":
+            for _, task in host._local_tasks(sched, outs, views):
+                task()
 
     for (pos, li), want in expect.items():
         np.testing.assert_array_equal(outs[pos][li].view(np.uint8), want.view(np.uint8))
@@ -160,16 +178,48 @@ def tiny_buffers() -> Iterator[None]:
     st.integers(0, 2**16),
     st.sampled_from([(1, 0), (1, 64), (0, 100), (0, 2**30), (64, 2**30)]),
     st.booleans(),
+    st.sampled_from(["tables", "ops", "refused"]),
 )
 def test_host_schedule_moves_every_byte_once(
-    leaves, processes, alias, seed, whole, bundled
+    leaves, processes, alias, seed, whole, bundled, mode
 ) -> None:
     """``whole``: the sizes of whole shards sent as they are ((1, 0): none);
     ``bundled``: whether smaller shards needed whole are packed whole."""
     with tiny_buffers(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(host, "WHOLE_BYTES", whole)
         mp.setattr(host, "BUNDLED", bundled)
-        simulate(leaves, processes, alias, seed)
+        if mode == "refused" and _buffers._fastcopy is not None:
+            refuse_c_copies(mp)
+        simulate(leaves, processes, alias, seed, mode)
+
+
+def refuse_c_copies(mp: pytest.MonkeyPatch) -> list[int]:
+    """Makes every ``copy_pieces`` call refuse its buffers, as the C code refuses
+    one that is not C-contiguous (before writing anything); counts the calls."""
+    import types
+
+    real = _buffers._fastcopy
+    calls = [0]
+
+    def copy_pieces(*args):
+        calls[0] += 1
+        raise BufferError("not C-contiguous")
+
+    names = {k: getattr(real, k) for k in dir(real) if not k.startswith("_")}
+    names["copy_pieces"] = copy_pieces
+    mp.setattr(_buffers, "_fastcopy", types.SimpleNamespace(**names))
+    return calls
+
+
+def test_tables_fall_back_op_by_op_when_refused() -> None:
+    """Every stage's packing and unpacking and every local copy falls back to its
+    ops, exactly, when the C call refuses."""
+    if _buffers._fastcopy is None or not _buffers.NATIVE_COPY:
+        pytest.skip("reshard._fastcopy is not built or is switched off")
+    with tiny_buffers(), pytest.MonkeyPatch.context() as mp:
+        calls = refuse_c_copies(mp)
+        simulate(fsdp_to_tp(), 2, False, 0, "refused")
+    assert calls[0] > 0
 
 
 def test_llm_like_tree_splits_into_chunks_and_stages() -> None:

@@ -81,11 +81,65 @@ def native_copy(dst: np.ndarray, src: np.ndarray) -> bool:
     return True
 
 
-def _c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """The byte strides of a C-contiguous array of ``shape``."""
     strides = [itemsize] * len(shape)
     for k in range(len(shape) - 2, -1, -1):
         strides[k] = strides[k + 1] * shape[k + 1]
     return tuple(strides)
+
+
+def piece_row(
+    si: int,
+    ssl: Sequence[slice],
+    src_strides: Sequence[int],
+    dsl: Sequence[slice],
+    dst_strides: Sequence[int],
+    itemsize: int,
+    soff: int = 0,
+    doff: int = 0,
+) -> list[int] | None:
+    """One row of a ``_fastcopy.copy_pieces`` table: the box ``ssl`` of source ``si``
+    into the box ``dsl`` of a destination (C strides in bytes, ``c_strides``; the
+    boxes start ``soff`` and ``doff`` bytes further on), its axes merged where both
+    layouts run on (a column block of whole rows becomes one run). ``None`` for an
+    empty box. A row may have more outer axes than the C loop walks: ``rows_table``
+    turns those down."""
+    shape = [sl.stop - sl.start for sl in ssl]
+    if 0 in shape:
+        return None
+    for a, b, sst, dstr in zip(ssl, dsl, src_strides, dst_strides, strict=True):
+        soff += a.start * sst
+        doff += b.start * dstr
+    run = shape[-1] * itemsize if shape else itemsize
+    row = [si, doff, soff, run, 0]  # then [count, dst step, src step] per outer axis
+    for k in range(len(shape) - 2, -1, -1):
+        n = shape[k]
+        if n == 1:
+            continue
+        ds, ss = dst_strides[k], src_strides[k]
+        if len(row) == 5:
+            if ds == run and ss == run:
+                run *= n
+                row[3] = run
+                continue
+        elif ds == row[-3] * row[-2] and ss == row[-3] * row[-1]:
+            row[-3] *= n
+            continue
+        row += (n, ds, ss)
+    row[4] = (len(row) - 5) // 3
+    return row
+
+
+def rows_table(rows: Sequence[list[int]]) -> np.ndarray | None:
+    """``rows`` (from ``piece_row``) as a ``copy_pieces`` table; ``None`` where one
+    has more outer axes than the C loop walks, or the extension is not built."""
+    if _fastcopy is None:
+        return None
+    width = _fastcopy.TABLE_WIDTH
+    if any(len(r) > width for r in rows):
+        return None
+    return np.array([r + [0] * (width - len(r)) for r in rows], np.int64).reshape(len(rows), width)
 
 
 def piece_table(
@@ -94,52 +148,25 @@ def piece_table(
     dst_shape: tuple[int, ...],
     itemsize: int,
 ) -> np.ndarray | None:
-    """The rows ``_fastcopy.copy_pieces`` copies ``pieces`` into one destination shard
-    by: per ``(source index, slices in the source, slices in the destination)``, both
-    shards C-contiguous, the box in bytes with its axes merged where both layouts run
-    on (a column block of whole rows becomes one run). Empty boxes have no row.
-    ``None`` where the extension is not built or a box needs more outer axes than it
-    walks (``MAX_OUTER``): then the pieces are copied one by one."""
+    """The table ``_fastcopy.copy_pieces`` copies ``pieces`` into one destination
+    shard by: per ``(source index, slices in the source, slices in the destination)``,
+    both shards C-contiguous. Empty boxes have no row. ``None`` where the extension
+    is not built or a box needs more outer axes than it walks (``MAX_OUTER``): then
+    the pieces are copied one by one."""
     if _fastcopy is None:
         return None
-    width, max_outer = _fastcopy.TABLE_WIDTH, _fastcopy.MAX_OUTER
-    dst_strides = _c_strides(dst_shape, itemsize)
+    dst_strides = c_strides(dst_shape, itemsize)
     strides_of: dict[tuple[int, ...], tuple[int, ...]] = {}
     rows = []
     for si, ssl, dsl in pieces:
-        shape = [sl.stop - sl.start for sl in ssl]
-        if 0 in shape:
-            continue
         src_shape = src_shapes[si]
         src_strides = strides_of.get(src_shape)
         if src_strides is None:
-            src_strides = strides_of[src_shape] = _c_strides(src_shape, itemsize)
-        soff = doff = 0
-        for a, b, sst, dstr in zip(ssl, dsl, src_strides, dst_strides, strict=True):
-            soff += a.start * sst
-            doff += b.start * dstr
-        run = shape[-1] * itemsize if shape else itemsize
-        row = [si, doff, soff, run, 0]  # then [count, dst step, src step] per outer axis
-        for k in range(len(shape) - 2, -1, -1):
-            n = shape[k]
-            if n == 1:
-                continue
-            ds, ss = dst_strides[k], src_strides[k]
-            if len(row) == 5:
-                if ds == run and ss == run:
-                    run *= n
-                    row[3] = run
-                    continue
-            elif ds == row[-3] * row[-2] and ss == row[-3] * row[-1]:
-                row[-3] *= n
-                continue
-            row += (n, ds, ss)
-        outer = (len(row) - 5) // 3
-        if outer > max_outer:
-            return None
-        row[4] = outer
-        rows.append(row + [0] * (width - len(row)))
-    return np.array(rows, np.int64).reshape(len(rows), width)
+            src_strides = strides_of[src_shape] = c_strides(src_shape, itemsize)
+        row = piece_row(si, ssl, src_strides, dsl, dst_strides, itemsize)
+        if row is not None:
+            rows.append(row)
+    return rows_table(rows)
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray, at: tuple[slice, ...] = ()) -> None:

@@ -71,15 +71,25 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
 
+from . import _buffers, _compat
 from . import _collective_common as common
-from . import _compat
 from . import _local_executor as local
-from ._buffers import POOL, align_up, carve, copy_into, host_empty
+from ._buffers import (
+    POOL,
+    align_up,
+    c_strides,
+    carve,
+    copy_into,
+    host_empty,
+    piece_row,
+    piece_table,
+    rows_table,
+)
 from ._collective_common import Copy, LeafBlocks
 from ._geometry import box_shape, full_box, subtract_many
 
@@ -357,6 +367,7 @@ class HostSchedule:
                     self.local_copies[c[0]].setdefault(c[2], []).append(c)
             else:
                 crossing[(c[0], c[1], process[c[2]])].append(c)
+        self.local_tables = _local_tables(self.local_copies, blocks, itemsizes)
 
         # Arrays of one geometry (a model's layers) repeat the same pieces but for their
         # array's index: the geometry below is worked out once per distinct set of
@@ -484,6 +495,15 @@ class HostSchedule:
                                 writes[writer].append((k, land, off, end, li, cp[3], take, put))
             self.pack.append({p: _pack_ops(v, itemsizes) for p, v in sends.items()})
             self.unpack.append({p: (_written(v, itemsizes), v) for p, v in writes.items()})
+        # The same ops as tables for one C call each (``None``: op by op).
+        self.pack_tables = [
+            {p: _pack_tables(ops, blocks, itemsizes) for p, ops in stage.items()}
+            for stage in self.pack
+        ]
+        self.unpack_tables = [
+            {p: _take_tables(ops, blocks, itemsizes) for p, (_, ops) in stage.items()}
+            for stage in self.unpack
+        ]
         # Stands in for the chunk of a device that sends nothing in it: never written,
         # never read, so its pages are never touched.
         self.idle = _compat.aligned_empty(
@@ -503,6 +523,108 @@ def _fill(bufs: Sequence[np.ndarray], views: dict[int, np.ndarray], ops: Sequenc
     for k, a, b, li, sl, shape in ops:
         src = views[li]
         copy_into(bufs[k][a:b].view(src.dtype).reshape(shape), src[sl])
+
+
+def _fill_by_table(
+    bufs: Sequence[np.ndarray],
+    views: dict[int, np.ndarray],
+    ops: Sequence[_PackOp],
+    found: tuple[tuple[int, ...], list[tuple[int, np.ndarray]]],
+) -> None:
+    """``_fill`` in one C call (``PackTables``); op by op where the C code refuses a
+    buffer, which it does before writing anything."""
+    leaves, tables = found
+    try:
+        _buffers._fastcopy.copy_pieces(
+            [views[li] for li in leaves],
+            [(bufs[k], t) for k, t in tables],
+            _buffers.STREAM_COPY_BYTES,
+        )
+    except (BufferError, ValueError):
+        _fill(bufs, views, ops)
+
+
+def _take_by_table(
+    raws: dict[int, list[np.ndarray]],
+    outs: dict[int, np.ndarray],
+    ops: Sequence[_TakeOp],
+    dtypes: Sequence[np.dtype],
+    found: tuple[tuple[tuple[int, int], ...], dict[int, np.ndarray], list[_TakeOp]],
+) -> None:
+    """``_take`` with its copies in one C call (``TakeTables``); op by op where the C
+    code refuses a buffer, which it does before writing anything."""
+    chunks, tables, whole = found
+    _take(raws, outs, whole, dtypes)  # chunks that become blocks: no copy
+    if not tables:
+        return
+    try:
+        _buffers._fastcopy.copy_pieces(
+            [raws[land][k] for land, k in chunks],
+            [(outs[li], t) for li, t in tables.items()],
+            _buffers.STREAM_COPY_BYTES,
+        )
+    except (BufferError, ValueError):
+        _take(raws, outs, [op for op in ops if op[7] is not None], dtypes)
+
+
+# One sender's pack ops of a stage as tables: the arrays they read (source indices of
+# the rows), and per chunk index within the stage its table; ``None``: op by op.
+PackTables = tuple[tuple[int, ...], list[tuple[int, np.ndarray]]] | None
+# One writing position's take ops of a stage: the ``(landing position, chunk index)``
+# of each chunk read (source indices of the rows), a table per array written, and the
+# ops whose chunk becomes a block whole; ``None``: op by op.
+TakeTables = tuple[tuple[tuple[int, int], ...], dict[int, np.ndarray], list[_TakeOp]] | None
+
+
+def _pack_tables(
+    ops: Sequence[_PackOp], blocks: Sequence[LeafBlocks], itemsizes: Sequence[int]
+) -> PackTables:
+    """``ops`` as ``PackTables``: each piece of a source block into its bytes of a
+    chunk, laid out C-contiguously there."""
+    if not _buffers.NATIVE_COPY:
+        return None
+    leaves = tuple(sorted({op[3] for op in ops}))
+    index = {li: i for i, li in enumerate(leaves)}
+    rows: dict[int, list[list[int]]] = defaultdict(list)
+    for k, a, _, li, sl, shape in ops:
+        size = itemsizes[li]
+        src = c_strides(blocks[li].src_block, size)
+        full = tuple(slice(0, n) for n in shape)
+        row = piece_row(index[li], sl, src, full, c_strides(shape, size), size, doff=a)
+        if row is not None:
+            rows[k].append(row)
+    tables = [(k, rows_table(r)) for k, r in rows.items()]
+    if any(t is None for _, t in tables):
+        return None
+    return leaves, cast(list[tuple[int, np.ndarray]], tables)
+
+
+def _take_tables(
+    ops: Sequence[_TakeOp], blocks: Sequence[LeafBlocks], itemsizes: Sequence[int]
+) -> TakeTables:
+    """``ops`` as ``TakeTables``: each piece out of the bytes of a chunk (laid out
+    C-contiguously there, maybe cut further) into its destination block."""
+    if not _buffers.NATIVE_COPY:
+        return None
+    chunks: dict[tuple[int, int], int] = {}
+    rows: dict[int, list[list[int]]] = defaultdict(list)
+    whole: list[_TakeOp] = []
+    for op in ops:
+        k, land, a, _, li, shape, take, put = op
+        if put is None:
+            whole.append(op)
+            continue
+        size = itemsizes[li]
+        si = chunks.setdefault((land, k), len(chunks))
+        ssl = take if take is not None else tuple(slice(0, n) for n in shape)
+        dst = c_strides(blocks[li].dst_block, size)
+        row = piece_row(si, ssl, c_strides(shape, size), put, dst, size, soff=a)
+        if row is not None:
+            rows[li].append(row)
+    tables = {li: rows_table(r) for li, r in rows.items()}
+    if any(t is None for t in tables.values()):
+        return None
+    return tuple(chunks), cast(dict[int, np.ndarray], tables), whole
 
 
 def _take(
@@ -532,6 +654,96 @@ def _copy_local(
         copy_into(out, views[s][li][_slices(s0, shape)], _slices(d0, shape))
 
 
+# Per array: the source positions its copies within this process read, and per
+# destination position the table of those copies (``_buffers.piece_table``, source
+# indices into the positions), or ``None`` where they are copied one by one.
+LocalTables = tuple[tuple[int, ...], dict[int, np.ndarray]] | None
+
+
+def _local_tables(
+    local_copies: Sequence[dict[int, list[Copy]]],
+    blocks: Sequence[LeafBlocks],
+    itemsizes: Sequence[int],
+) -> list[LocalTables]:
+    """``LocalTables`` per array, built once per geometry (a model's layers repeat
+    theirs but for the array's index)."""
+    built: dict[Any, LocalTables] = {}
+    out: list[LocalTables] = []
+    for li, per_pos in enumerate(local_copies):
+        if not per_pos or not _buffers.NATIVE_COPY:
+            out.append(None)
+            continue
+        key = (
+            blocks[li],
+            itemsizes[li],
+            tuple((pos, tuple(c[1:] for c in cs)) for pos, cs in per_pos.items()),
+        )
+        if key not in built:
+            srcs = tuple(sorted({c[1] for cs in per_pos.values() for c in cs}))
+            index = {s: i for i, s in enumerate(srcs)}
+            src_blocks = [blocks[li].src_block] * len(srcs)
+            tables = {}
+            for pos, cs in per_pos.items():
+                pieces = [(index[c[1]], _slices(c[4], c[3]), _slices(c[5], c[3])) for c in cs]
+                t = piece_table(pieces, src_blocks, blocks[li].dst_block, itemsizes[li])
+                if t is None:
+                    break
+                tables[pos] = t
+            built[key] = (srcs, tables) if len(tables) == len(per_pos) else None
+        out.append(built[key])
+    return out
+
+
+def _copy_by_table(
+    srcs: Sequence[np.ndarray],
+    work: Sequence[tuple[np.ndarray, np.ndarray]],
+    views: Mapping[int, dict[int, np.ndarray]],
+    copies: Sequence[Sequence[Copy]],
+) -> None:
+    """One C call for the copies within this process into the ``(block, table)``s of
+    one array; piece by piece (``_copy_local``, ``copies`` per block) where the C
+    code refuses a buffer, which it does before writing anything."""
+    try:
+        _buffers._fastcopy.copy_pieces(srcs, work, _buffers.STREAM_COPY_BYTES)
+    except (BufferError, ValueError):
+        for (out, _), cs in zip(work, copies, strict=True):
+            _copy_local(out, views, cs)
+
+
+def _local_tasks(
+    sched: HostSchedule,
+    outs: dict[int, dict[int, np.ndarray]],
+    views: Mapping[int, dict[int, np.ndarray]],
+) -> list[tuple[int, Callable[[], None]]]:
+    """The copies within this process as ``local.run_copies`` tasks: per array, one
+    for its small blocks and one per large block (copy threads take those)."""
+    tasks: list[tuple[int, Callable[[], None]]] = []
+    for li, per_pos in enumerate(sched.local_copies):
+        found = sched.local_tables[li]
+        if found is None:
+            tasks += [
+                (outs[pos][li].nbytes, functools.partial(_copy_local, outs[pos][li], views, cs))
+                for pos, cs in per_pos.items()
+            ]
+            continue
+        positions, tables = found
+        srcs = [views[s][li] for s in positions]
+        small: list[tuple[np.ndarray, np.ndarray]] = []
+        small_copies: list[list[Copy]] = []
+        for pos, cs in per_pos.items():
+            out = outs[pos][li]
+            if out.nbytes >= local.THREADED_COPY_BYTES:
+                task = functools.partial(_copy_by_table, srcs, [(out, tables[pos])], views, [cs])
+                tasks.append((out.nbytes, task))
+            else:
+                small.append((out, tables[pos]))
+                small_copies.append(cs)
+        if small:
+            task = functools.partial(_copy_by_table, srcs, small, views, small_copies)
+            tasks.append((sum(out.nbytes for out, _ in small), task))
+    return tasks
+
+
 def _pack_stage(
     program: CollectiveProgram, s: int, views: Mapping[int, dict[int, np.ndarray]]
 ) -> list[jax.Array]:
@@ -555,7 +767,12 @@ def _pack_stage(
         ops = sched.pack[s].get(pos)
         if ops:
             nbytes = sum(op[2] - op[1] for op in ops)
-            tasks.append((nbytes, functools.partial(_fill, row, views[pos], ops)))
+            found = sched.pack_tables[s][pos]
+            if found is None:
+                task = functools.partial(_fill, row, views[pos], ops)
+            else:
+                task = functools.partial(_fill_by_table, row, views[pos], ops, found)
+            tasks.append((nbytes, task))
         rows.append(row)
     local.run_copies(tasks)
     return _stage_arrays(program, ids, rows)
@@ -605,12 +822,17 @@ def _unpack_stage(
             land: [_compat.host_view(b[program.devices[land].id]) for b in per_array]
             for land in lands
         }
-        local.run_copies(
-            [
-                (nbytes, functools.partial(_take, raws, outs[pos], pos_ops, program.dtypes))
-                for pos, (nbytes, pos_ops) in ops.items()
-            ]
-        )
+        tasks: list[tuple[int, Callable[[], None]]] = []
+        for pos, (nbytes, pos_ops) in ops.items():
+            found = program.host.unpack_tables[s][pos]
+            if found is None:
+                task = functools.partial(_take, raws, outs[pos], pos_ops, program.dtypes)
+            else:
+                task = functools.partial(
+                    _take_by_table, raws, outs[pos], pos_ops, program.dtypes, found
+                )
+            tasks.append((nbytes, task))
+        local.run_copies(tasks)
     # The stage's send buffers return to the pool when XLA lets go of them; a process
     # that only sends learns here that they have left.
     jax.block_until_ready(list(received))
@@ -737,16 +959,7 @@ def run_host_packed(
                 outs = _destinations(program, shardings)
             # Copies within this process need no network: done while the last stages
             # travel.
-            local.run_copies(
-                [
-                    (
-                        outs[pos][li].nbytes,
-                        functools.partial(_copy_local, outs[pos][li], views, copies),
-                    )
-                    for li, per_pos in enumerate(sched.local_copies)
-                    for pos, copies in per_pos.items()
-                ]
-            )
+            local.run_copies(_local_tasks(sched, outs, views))
     finally:
         for f in pending:  # nothing keeps writing once this returns or raises
             f.exception()
