@@ -87,6 +87,13 @@ def simulate(leaves, processes: int, alias: bool, seed: int, mode: str = "tables
             expect[(pos, li)] = t[idx].reshape(blocks[li].dst_block)
 
     scheds = [host.HostSchedule(copies, blocks, itemsizes, process, me) for me in range(processes)]
+    for sched in scheds:
+        assert sched.pack_tables is sched.unpack_tables is sched.local_tables is None
+        if mode != "ops":  # the executor builds them at a schedule's second run
+            sched.ran()
+            assert sched.pack_tables is None
+            sched.ran()
+            assert sched.pack_tables is not None and sched.local_tables is not None
     # Every process builds the same chunks and stages: they must agree for ppermute.
     for s in scheds[1:]:
         assert [(c.perm, c.nbytes) for c in s.chunks] == [
@@ -103,9 +110,9 @@ def simulate(leaves, processes: int, alias: bool, seed: int, mode: str = "tables
             for pos, ops in sched.pack[s].items():
                 assert process[pos] == me
                 bufs = [np.zeros(chunks[ci].nbytes, np.uint8) for ci in stage]
-                found = sched.pack_tables[s][pos]
-                assert (found is not None) is _buffers.NATIVE_COPY  # (rank 3 at most)
-                if mode == "ops" or found is None:
+                found = None if mode == "ops" else sched.pack_tables[s][pos]
+                assert mode == "ops" or (found is not None) is _buffers.NATIVE_COPY  # (rank <= 3)
+                if found is None:
                     host._fill(bufs, views[pos], ops)
                 else:
                     host._fill_by_table(bufs, views[pos], ops, found)
@@ -132,9 +139,9 @@ def simulate(leaves, processes: int, alias: bool, seed: int, mode: str = "tables
             for pos, (_, ops) in sched.unpack[s].items():
                 assert process[pos] == me
                 assert all(process[op[1]] == me for op in ops)  # reads what reached it
-                found = sched.unpack_tables[s][pos]
-                assert (found is not None) is _buffers.NATIVE_COPY  # (rank 3 at most)
-                if mode == "ops" or found is None:
+                found = None if mode == "ops" else sched.unpack_tables[s][pos]
+                assert mode == "ops" or (found is not None) is _buffers.NATIVE_COPY  # (rank <= 3)
+                if found is None:
                     host._take(landed, outs.setdefault(pos, {}), ops, dtypes)
                 else:
                     host._take_by_table(landed, outs.setdefault(pos, {}), ops, dtypes, found)
