@@ -81,6 +81,20 @@ def native_copy(dst: np.ndarray, src: np.ndarray) -> bool:
     return True
 
 
+def copy_pieces(
+    srcs: Sequence[np.ndarray | None], work: Sequence[tuple[np.ndarray, np.ndarray]]
+) -> bool:
+    """Copies the boxes of ``work``'s ``(destination, table)``s out of ``srcs`` by one
+    call of ``_fastcopy.copy_pieces`` (tables from ``piece_table``/``rows_table``;
+    boxes from ``STREAM_COPY_BYTES`` on written past the cache); ``False``, having
+    written nothing, where the C code refuses a buffer (one not C-contiguous)."""
+    try:
+        _fastcopy.copy_pieces(srcs, work, STREAM_COPY_BYTES)
+    except (BufferError, ValueError):  # checked before any byte is written
+        return False
+    return True
+
+
 def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
     """The byte strides of a C-contiguous array of ``shape``."""
     strides = [itemsize] * len(shape)

@@ -85,6 +85,7 @@ from ._buffers import (
     c_strides,
     carve,
     copy_into,
+    copy_pieces,
     host_empty,
     piece_row,
     piece_table,
@@ -558,13 +559,7 @@ def _fill_by_table(
     """``_fill`` in one C call (``PackTables``); op by op where the C code refuses a
     buffer, which it does before writing anything."""
     leaves, tables = found
-    try:
-        _buffers._fastcopy.copy_pieces(
-            [views[li] for li in leaves],
-            [(bufs[k], t) for k, t in tables],
-            _buffers.STREAM_COPY_BYTES,
-        )
-    except (BufferError, ValueError):
+    if not copy_pieces([views[li] for li in leaves], [(bufs[k], t) for k, t in tables]):
         _fill(bufs, views, ops)
 
 
@@ -579,15 +574,9 @@ def _take_by_table(
     code refuses a buffer, which it does before writing anything."""
     chunks, tables, whole = found
     _take(raws, outs, whole, dtypes)  # chunks that become blocks: no copy
-    if not tables:
-        return
-    try:
-        _buffers._fastcopy.copy_pieces(
-            [raws[land][k] for land, k in chunks],
-            [(outs[li], t) for li, t in tables.items()],
-            _buffers.STREAM_COPY_BYTES,
-        )
-    except (BufferError, ValueError):
+    if tables and not copy_pieces(
+        [raws[land][k] for land, k in chunks], [(outs[li], t) for li, t in tables.items()]
+    ):
         _take(raws, outs, [op for op in ops if op[7] is not None], dtypes)
 
 
@@ -727,9 +716,7 @@ def _copy_by_table(
     """One C call for the copies within this process into the ``(block, table)``s of
     one array; piece by piece (``_copy_local``, ``copies`` per block) where the C
     code refuses a buffer, which it does before writing anything."""
-    try:
-        _buffers._fastcopy.copy_pieces(srcs, work, _buffers.STREAM_COPY_BYTES)
-    except (BufferError, ValueError):
+    if not copy_pieces(srcs, work):
         for (out, _), cs in zip(work, copies, strict=True):
             _copy_local(out, views, cs)
 

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from ._buffers import (
     NATIVE,
     carve,
     copy_into,
+    copy_pieces,
     copy_rows,
     host_empty,
     native_copy,
@@ -175,12 +176,10 @@ def _fill_all(
     """Fills ``(destination shard, its index)``s of one array by one call of the C
     extension (``job.tables``; ``views`` holds every source they read), or, where a
     source view is not a plain C-contiguous buffer, copy by copy (``_fill``)."""
-    n = len(job.plan.spec.src)
-    srcs = [views.get(si) for si in range(n)]
-    work = [(out, job.tables[di]) for out, di in outs]
-    try:
-        _buffers._fastcopy.copy_pieces(srcs, work, _buffers.STREAM_COPY_BYTES)
-    except (BufferError, ValueError):  # checked before any byte is written
+    srcs = [views.get(si) for si in range(len(job.plan.spec.src))]
+    # (Only shards that have a table are passed here.)
+    work = [(out, cast(np.ndarray, job.tables[di])) for out, di in outs]
+    if not copy_pieces(srcs, work):
         for out, di in outs:
             _fill(out, job.copies[di], bufs, job.plan.spec.src, views)
 
