@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 import reshard
 from reshard import _buffers
 from reshard import _collective_host as host
+from reshard import _local_executor as local
 from reshard._collective_common import all_copies
 
 NUMERIC = ["float32", "bfloat16", "int8", "uint16", "int32", "bool", "complex64"]
@@ -139,12 +140,18 @@ def simulate(leaves, processes: int, alias: bool, seed: int, mode: str = "tables
             for pos, (_, ops) in sched.unpack[s].items():
                 assert process[pos] == me
                 assert all(process[op[1]] == me for op in ops)  # reads what reached it
-                found = None if mode == "ops" else sched.unpack_tables[s][pos]
-                assert mode == "ops" or (found is not None) is _buffers.NATIVE_COPY  # (rank <= 3)
-                if found is None:
-                    host._take(landed, outs.setdefault(pos, {}), ops, dtypes)
-                else:
-                    host._take_by_table(landed, outs.setdefault(pos, {}), ops, dtypes, found)
+                outs.setdefault(pos, {})
+            if mode == "ops":
+                for pos, (_, ops) in sched.unpack[s].items():
+                    host._take(landed, outs[pos], ops, dtypes)
+                continue
+            found = sched.unpack_tables[s]
+            for pos in sched.unpack[s]:  # (rank <= 3)
+                assert (found[1][pos] is not None) is _buffers.NATIVE_COPY
+            # The executor's own tasks, split by bands as it runs them (parts of
+            # several threads' worth run here one after another).
+            for _, task in host._unpack_tasks(sched.unpack[s], found, landed, outs, dtypes):
+                task()
     for me, sched in enumerate(scheds):
         for li, per_pos in enumerate(sched.local_copies):
             assert all(process[pos] == me for pos in per_pos)
@@ -174,6 +181,10 @@ def tiny_buffers() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(host, "CHUNK_BYTES", 192)
         mp.setattr(host, "STAGE_BYTES", 512)
+        # Copies in bands of ~100 bytes, split into up to 3 parts from 64 bytes on.
+        mp.setattr(_buffers, "BAND_BYTES", 100)
+        mp.setattr(local, "COPY_THREADS", 3)
+        mp.setattr(local, "THREADED_COPY_BYTES", 32)
         yield
 
 

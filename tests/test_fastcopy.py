@@ -3,6 +3,7 @@ refuses what it cannot copy, and reshard gives the same results with it or witho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -262,13 +263,13 @@ def piece_sets(draw):
     return itemsize, srcs, dsts, work, unused
 
 
-@needs_ext
-@settings(max_examples=300, deadline=None)
-@given(case=piece_sets(), stream=st.booleans())
-def test_copy_pieces_is_numpys_copy_bit_for_bit(case, stream):
+def _pieces_and_truth(case, work):
+    """Random blocks for a ``piece_sets`` case copying ``work``: our destinations,
+    numpy's copy into the same bits, the sources to pass (``None`` where unused, if
+    the case says so) and the tables."""
     from reshard._buffers import piece_table
 
-    itemsize, src_shapes, dst_shapes, work, unused = case
+    itemsize, src_shapes, dst_shapes, _, unused = case
     rng = np.random.default_rng(len(src_shapes) * 31 + itemsize)
     srcs = [_c_contiguous_block(rng, s, itemsize) for s in src_shapes]
     ours = [_c_contiguous_block(rng, d, itemsize) for d in dst_shapes]
@@ -279,12 +280,132 @@ def test_copy_pieces_is_numpys_copy_bit_for_bit(case, stream):
     tables = [
         piece_table(p, src_shapes, d, itemsize) for p, d in zip(work, dst_shapes, strict=True)
     ]
-    assert all(t is not None for t in tables)  # rank 4 at most: 3 outer axes at most
     read = {si for pieces in work for si, _, _ in pieces}
     passed = [None if unused and si not in read else s for si, s in enumerate(srcs)]
+    return ours, numpys, passed, tables
+
+
+@needs_ext
+@settings(max_examples=300, deadline=None)
+@given(case=piece_sets(), stream=st.booleans())
+def test_copy_pieces_is_numpys_copy_bit_for_bit(case, stream):
+
+    ours, numpys, passed, tables = _pieces_and_truth(case, case[3])
+    assert all(t is not None for t in tables)  # rank 4 at most: 3 outer axes at most
     fastcopy.copy_pieces(passed, list(zip(ours, tables, strict=True)), 0 if stream else 1 << 40)
     for a, b in zip(ours, numpys, strict=True):
         assert a.tobytes() == b.tobytes()  # the boxes, and nothing outside them
+
+
+def _disjoint(box, taken):
+    """Whether ``box`` (slices) shares no element with any box of ``taken``."""
+    return all(
+        any(a.stop <= b.start or b.stop <= a.start for a, b in zip(box, t, strict=True))
+        for t in taken
+    )
+
+
+@contextlib.contextmanager
+def streaming_width(width):
+    """Streaming stores of at most ``width`` bytes (the widest the CPU has) inside."""
+    got = fastcopy.stream_width(width)
+    assert got in ((0,) if not fastcopy.HAVE_STREAM else (16, 32, 64)) and got <= width
+    try:
+        yield
+    finally:
+        fastcopy.stream_width(64)
+
+
+@needs_ext
+@settings(max_examples=300, deadline=None)
+@given(
+    case=piece_sets(),
+    stream=st.booleans(),
+    band=st.sampled_from([1, 7, 64, 100, 1 << 20]),
+    parts=st.integers(1, 4),
+    width=st.sampled_from([16, 32, 64]),
+    data=st.data(),
+)
+def test_copy_pieces_in_bands_and_parts_is_numpys_copy_bit_for_bit(
+    case, stream, band, parts, width, data
+):
+    # Band mode copies the boxes a band of each in turn, and a part only its share of
+    # every box's bands: the parts together, in any order, make numpy's copy. (The
+    # executors never write a byte twice, so boxes overlapping in a destination,
+    # whose order would matter, are left out here.) Each streaming width the CPU has.
+
+    kept = []
+    for pieces in case[3]:
+        mine: list = []
+        for p in pieces:
+            if _disjoint(p[2], [q[2] for q in mine]):
+                mine.append(p)
+        kept.append(mine)
+    ours, numpys, passed, tables = _pieces_and_truth(case, kept)
+    order = data.draw(st.permutations(range(parts)))
+    with streaming_width(width):
+        for part in order:
+            fastcopy.copy_pieces(
+                passed,
+                list(zip(ours, tables, strict=True)),
+                0 if stream else 1 << 40,
+                band,
+                part,
+                parts,
+            )
+    for a, b in zip(ours, numpys, strict=True):
+        assert a.tobytes() == b.tobytes()  # the boxes, and nothing outside them
+
+
+@needs_ext
+def test_copy_pieces_in_bands_covers_long_runs_and_big_boxes():
+    # A contiguous run of 1 MiB + 3 bytes (no outer axis: cut into 64-byte units) and
+    # a column block of a 3-D block (cut along its outermost axis), streamed, in
+    # bands of 4 KiB, 3 parts, from an odd destination offset.
+    from reshard._buffers import piece_table
+
+    rng = np.random.default_rng(5)
+    n = (1 << 20) + 3
+    src = rng.integers(0, 256, n + 5, dtype=np.uint8)
+    dst = np.zeros(n + 9, np.uint8)
+    run = piece_table([(0, (slice(5, 5 + n),), (slice(9, 9 + n),))], [src.shape], dst.shape, 1)
+    cube = rng.integers(0, 256, (64, 48, 256), dtype=np.uint8)
+    out = np.zeros((64, 48, 100), np.uint8)
+    box = (slice(0, 64), slice(0, 48), slice(7, 107))
+    cut = piece_table(
+        [(1, box, (slice(0, 64), slice(0, 48), slice(0, 100)))],
+        [src.shape, cube.shape],
+        out.shape,
+        1,
+    )
+    for width in (16, 32, 64):
+        dst[:] = 0
+        out[:] = 0
+        with streaming_width(width):
+            for part in (2, 0, 1):
+                fastcopy.copy_pieces([src, cube], [(dst, run), (out, cut)], 0, 4096, part, 3)
+        assert dst[9:].tobytes() == src[5:].tobytes() and not dst[:9].any()
+        assert out.tobytes() == cube[box].tobytes()
+
+
+@needs_ext
+def test_copy_pieces_refuses_bad_bands_and_parts():
+    from reshard._buffers import piece_table
+
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, np.uint8)
+    table = piece_table([(0, (slice(0, 64),), (slice(0, 64),))], [(64,)], (64,), 1)
+    for band, part, parts in [
+        (-1, 0, 1),
+        (64, 2, 2),
+        (64, -1, 2),
+        (64, 0, 0),
+        (0, 0, 2),
+        (64, 0, 5000),
+    ]:
+        with pytest.raises(ValueError, match="part"):
+            fastcopy.copy_pieces([src], [(dst, table)], 0, band, part, parts)
+        assert not dst.any()
 
 
 def test_piece_table_merges_runs_and_gives_up_past_its_axes():

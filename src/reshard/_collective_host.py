@@ -500,7 +500,7 @@ class HostSchedule:
         self.runs = 0
         self._sizes = (list(blocks), list(itemsizes))
         self.pack_tables: list[dict[int, PackTables]] | None = None
-        self.unpack_tables: list[dict[int, TakeTables]] | None = None
+        self.unpack_tables: list[StageTakes] | None = None
         self.local_tables: list[LocalTables] | None = None
         # Stands in for the chunk of a device that sends nothing in it: never written,
         # never read, so its pages are never touched.
@@ -529,10 +529,7 @@ class HostSchedule:
             {p: _pack_tables(ops, blocks, itemsizes) for p, ops in stage.items()}
             for stage in self.pack
         ]
-        self.unpack_tables = [
-            {p: _take_tables(ops, blocks, itemsizes) for p, (_, ops) in stage.items()}
-            for stage in self.unpack
-        ]
+        self.unpack_tables = [_stage_takes(stage, blocks, itemsizes) for stage in self.unpack]
         self.local_tables = _local_tables(self.local_copies, blocks, itemsizes)
 
 
@@ -563,30 +560,70 @@ def _fill_by_table(
         _fill(bufs, views, ops)
 
 
-def _take_by_table(
+def _take_banded(
+    srcs: Sequence[np.ndarray],
+    work: Sequence[tuple[np.ndarray, np.ndarray]],
     raws: dict[int, list[np.ndarray]],
-    outs: dict[int, np.ndarray],
-    ops: Sequence[_TakeOp],
+    outs: dict[int, dict[int, np.ndarray]],
+    fallback: Sequence[tuple[int, list[_TakeOp]]],
     dtypes: Sequence[np.dtype],
-    found: tuple[tuple[tuple[int, int], ...], dict[int, np.ndarray], list[_TakeOp]],
+    part: int,
+    parts: int,
 ) -> None:
-    """``_take`` with its copies in one C call (``TakeTables``); op by op where the C
-    code refuses a buffer, which it does before writing anything."""
-    chunks, tables, whole = found
-    _take(raws, outs, whole, dtypes)  # chunks that become blocks: no copy
-    if tables and not copy_pieces(
-        [raws[land][k] for land, k in chunks], [(outs[li], t) for li, t in tables.items()]
-    ):
-        _take(raws, outs, [op for op in ops if op[7] is not None], dtypes)
+    """Part ``part`` of the copies out of a stage's chunks, by one C call for the
+    ``(block, table)``s of every position (``StageTakes``); where the C code refuses
+    a buffer, which it does before writing anything and for every part alike, part 0
+    takes the ``fallback`` ops (per position) one by one."""
+    if not copy_pieces(srcs, work, part, parts) and part == 0:
+        for pos, ops in fallback:
+            _take(raws, outs[pos], ops, dtypes)
+
+
+def _unpack_tasks(
+    stage: dict[int, tuple[int, list[_TakeOp]]],
+    found: StageTakes | None,
+    raws: dict[int, list[np.ndarray]],
+    outs: dict[int, dict[int, np.ndarray]],
+    dtypes: Sequence[np.dtype],
+) -> list[tuple[int, Callable[[], None]]]:
+    """The copies of one stage's take ops (``stage``: per position of this process,
+    bytes written and ops) as ``local.run_copies`` tasks; chunks that become blocks
+    whole are adopted here. With tables, the copies into every position's blocks are
+    one copy split by bands (``local.banded_tasks``): each chunk that arrived is cut
+    up for all the devices it feeds while its rows are in cache."""
+    tasks: list[tuple[int, Callable[[], None]]] = []
+    chunks, per_pos = found if found is not None else ((), {})
+    work: list[tuple[np.ndarray, np.ndarray]] = []
+    fallback: list[tuple[int, list[_TakeOp]]] = []
+    nbytes = 0
+    for pos, (n, ops) in stage.items():
+        tabled = per_pos.get(pos)
+        if tabled is None:
+            tasks.append((n, functools.partial(_take, raws, outs[pos], ops, dtypes)))
+            continue
+        tables, whole = tabled
+        _take(raws, outs[pos], whole, dtypes)  # chunks that become blocks: no copy
+        work += [(outs[pos][li], t) for li, t in tables.items()]
+        fallback.append((pos, [op for op in ops if op[7] is not None]))
+        nbytes += n
+    if work:
+        srcs = [raws[land][k] for land, k in chunks]
+        copy = functools.partial(_take_banded, srcs, work, raws, outs, fallback, dtypes)
+        tasks += local.banded_tasks(nbytes, copy)
+    return tasks
 
 
 # One sender's pack ops of a stage as tables: the arrays they read (source indices of
 # the rows), and per chunk index within the stage its table; ``None``: op by op.
 PackTables = tuple[tuple[int, ...], list[tuple[int, np.ndarray]]] | None
-# One writing position's take ops of a stage: the ``(landing position, chunk index)``
-# of each chunk read (source indices of the rows), a table per array written, and the
-# ops whose chunk becomes a block whole; ``None``: op by op.
-TakeTables = tuple[tuple[tuple[int, int], ...], dict[int, np.ndarray], list[_TakeOp]] | None
+# One writing position's take ops of a stage: a table per array written (source
+# indices into the stage's chunks, ``StageTakes``), and the ops whose chunk becomes a
+# block whole; ``None``: op by op.
+TakeTables = tuple[dict[int, np.ndarray], list[_TakeOp]] | None
+# A stage's take ops of every position of this process: the ``(landing position,
+# chunk index)`` of each chunk read (the source indices of the rows), and per
+# position its ``TakeTables``.
+StageTakes = tuple[tuple[tuple[int, int], ...], dict[int, TakeTables]]
 
 
 def _pack_tables(
@@ -612,14 +649,28 @@ def _pack_tables(
     return leaves, cast(list[tuple[int, np.ndarray]], tables)
 
 
+def _stage_takes(
+    stage: dict[int, tuple[int, list[_TakeOp]]],
+    blocks: Sequence[LeafBlocks],
+    itemsizes: Sequence[int],
+) -> StageTakes:
+    """One stage's take ops (per position of this process) as ``StageTakes``."""
+    chunks: dict[tuple[int, int], int] = {}
+    per_pos = {p: _take_tables(ops, blocks, itemsizes, chunks) for p, (_, ops) in stage.items()}
+    return tuple(chunks), per_pos
+
+
 def _take_tables(
-    ops: Sequence[_TakeOp], blocks: Sequence[LeafBlocks], itemsizes: Sequence[int]
+    ops: Sequence[_TakeOp],
+    blocks: Sequence[LeafBlocks],
+    itemsizes: Sequence[int],
+    chunks: dict[tuple[int, int], int],
 ) -> TakeTables:
     """``ops`` as ``TakeTables``: each piece out of the bytes of a chunk (laid out
-    C-contiguously there, maybe cut further) into its destination block."""
+    C-contiguously there, maybe cut further) into its destination block; ``chunks``
+    numbers the stage's chunks as they are first read."""
     if not _buffers.NATIVE_COPY:
         return None
-    chunks: dict[tuple[int, int], int] = {}
     rows: dict[int, list[list[int]]] = defaultdict(list)
     whole: list[_TakeOp] = []
     for op in ops:
@@ -637,7 +688,7 @@ def _take_tables(
     tables = {li: rows_table(r) for li, r in rows.items()}
     if any(t is None for t in tables.values()):
         return None
-    return tuple(chunks), cast(dict[int, np.ndarray], tables), whole
+    return cast(dict[int, np.ndarray], tables), whole
 
 
 def _take(
@@ -712,11 +763,14 @@ def _copy_by_table(
     work: Sequence[tuple[np.ndarray, np.ndarray]],
     views: Mapping[int, dict[int, np.ndarray]],
     copies: Sequence[Sequence[Copy]],
+    part: int,
+    parts: int,
 ) -> None:
-    """One C call for the copies within this process into the ``(block, table)``s of
-    one array; piece by piece (``_copy_local``, ``copies`` per block) where the C
-    code refuses a buffer, which it does before writing anything."""
-    if not copy_pieces(srcs, work):
+    """Part ``part`` of the copies within this process into the ``(block, table)``s of
+    one array, by one C call; where the C code refuses a buffer, which it does before
+    writing anything and for every part alike, part 0 copies piece by piece
+    (``_copy_local``, ``copies`` per block)."""
+    if not copy_pieces(srcs, work, part, parts) and part == 0:
         for (out, _), cs in zip(work, copies, strict=True):
             _copy_local(out, views, cs)
 
@@ -727,7 +781,8 @@ def _local_tasks(
     views: Mapping[int, dict[int, np.ndarray]],
 ) -> list[tuple[int, Callable[[], None]]]:
     """The copies within this process as ``local.run_copies`` tasks: per array, one
-    for its small blocks and one per large block (copy threads take those)."""
+    copy into all its blocks, split by bands between the copy threads where it is
+    large (``local.banded_tasks``)."""
     tasks: list[tuple[int, Callable[[], None]]] = []
     for li, per_pos in enumerate(sched.local_copies):
         found = None if sched.local_tables is None else sched.local_tables[li]
@@ -739,19 +794,9 @@ def _local_tasks(
             continue
         positions, tables = found
         srcs = [views[s][li] for s in positions]
-        small: list[tuple[np.ndarray, np.ndarray]] = []
-        small_copies: list[list[Copy]] = []
-        for pos, cs in per_pos.items():
-            out = outs[pos][li]
-            if out.nbytes >= local.THREADED_COPY_BYTES:
-                task = functools.partial(_copy_by_table, srcs, [(out, tables[pos])], views, [cs])
-                tasks.append((out.nbytes, task))
-            else:
-                small.append((out, tables[pos]))
-                small_copies.append(cs)
-        if small:
-            task = functools.partial(_copy_by_table, srcs, small, views, small_copies)
-            tasks.append((sum(out.nbytes for out, _ in small), task))
+        work = [(outs[pos][li], tables[pos]) for pos in per_pos]
+        copy = functools.partial(_copy_by_table, srcs, work, views, list(per_pos.values()))
+        tasks += local.banded_tasks(sum(out.nbytes for out, _ in work), copy)
     return tasks
 
 
@@ -833,17 +878,9 @@ def _unpack_stage(
             land: [_compat.host_view(b[program.devices[land].id]) for b in per_array]
             for land in lands
         }
-        tasks: list[tuple[int, Callable[[], None]]] = []
         tables = program.host.unpack_tables
-        for pos, (nbytes, pos_ops) in ops.items():
-            found = None if tables is None else tables[s][pos]
-            if found is None:
-                task = functools.partial(_take, raws, outs[pos], pos_ops, program.dtypes)
-            else:
-                task = functools.partial(
-                    _take_by_table, raws, outs[pos], pos_ops, program.dtypes, found
-                )
-            tasks.append((nbytes, task))
+        found = None if tables is None else tables[s]
+        tasks = _unpack_tasks(ops, found, raws, outs, program.dtypes)
         local.run_copies(tasks)
     # The stage's send buffers return to the pool when XLA lets go of them; a process
     # that only sends learns here that they have left.

@@ -9,4 +9,13 @@ def copy(dst: Any, src: Any, stream: bool, /) -> None: ...
 TABLE_WIDTH: int
 MAX_OUTER: int
 
-def copy_pieces(srcs: Any, work: Any, stream_bytes: int, /) -> None: ...
+def copy_pieces(
+    srcs: Any,
+    work: Any,
+    stream_bytes: int,
+    band_bytes: int = 0,
+    part: int = 0,
+    parts: int = 1,
+    /,
+) -> None: ...
+def stream_width(max_width: int = 64, /) -> int: ...

@@ -172,14 +172,18 @@ def _fill_all(
     outs: Sequence[tuple[np.ndarray, int]],
     bufs: dict[int, Any],
     views: dict[int, np.ndarray],
+    part: int = 0,
+    parts: int = 1,
 ) -> None:
     """Fills ``(destination shard, its index)``s of one array by one call of the C
     extension (``job.tables``; ``views`` holds every source they read), or, where a
-    source view is not a plain C-contiguous buffer, copy by copy (``_fill``)."""
+    source view is not a plain C-contiguous buffer, copy by copy (``_fill``). With
+    ``parts``, its part ``part`` of every copy (``banded_tasks``)."""
     srcs = [views.get(si) for si in range(len(job.plan.spec.src))]
     # (Only shards that have a table are passed here.)
     work = [(out, cast(np.ndarray, job.tables[di])) for out, di in outs]
-    if not copy_pieces(srcs, work):
+    # A refusal comes before any byte is written, and alike for every part.
+    if not copy_pieces(srcs, work, part, parts) and part == 0:
         for out, di in outs:
             _fill(out, job.copies[di], bufs, job.plan.spec.src, views)
 
@@ -203,6 +207,17 @@ def _copy_pool() -> ThreadPoolExecutor:
 
 # Copies of at least this many bytes run on the copy threads.
 THREADED_COPY_BYTES = 1 << 20
+
+
+def banded_tasks(
+    nbytes: int, copy: Callable[[int, int], Any]
+) -> list[tuple[int, Callable[[], Any]]]:
+    """``run_copies`` tasks for one ``copy(part, parts)`` of ``nbytes`` that
+    ``_buffers.copy_pieces`` splits by bands: as many parts as copy threads, each of
+    ``THREADED_COPY_BYTES`` or more. One call writing every destination of a source
+    reads the source once (in bands); the parts share it between the threads."""
+    parts = max(1, min(COPY_THREADS, nbytes // THREADED_COPY_BYTES))
+    return [(nbytes // parts, functools.partial(copy, p, parts)) for p in range(parts)]
 
 
 def run_copies(tasks: Sequence[tuple[int, Callable[[], Any]]]) -> None:
@@ -281,6 +296,7 @@ def run_host(
     )
     big: list[tuple[int, Callable[[], Any]]] = []  # (bytes, copy) per large shard
     batch: list[tuple[np.ndarray, int]] = []  # one array's small shards to fill at once
+    banded: list[tuple[np.ndarray, int]] = []  # and its large ones
     leaves: list[tuple[list[Any], list[Any]]] = []
     # (array, position among its shards, source shard, destination) to copy by PjRt
     whole: list[tuple[int, int, jax.Array, jax.sharding.Sharding]] = []
@@ -317,17 +333,21 @@ def run_host(
                         _fill(out, job.copies[di], bufs, spec.src, views)
                 else:
                     out = host_empty(shape, job.dtype)
-                    fill: Callable[[], Any] = (
-                        functools.partial(_fill_all, job, [(out, di)], bufs, views)
-                        if table is not None
-                        else functools.partial(_fill, out, job.copies[di], bufs, spec.src, views)
-                    )
-                    big.append((n, fill))
+                    if table is not None:
+                        banded.append((out, di))
+                    else:
+                        fill = functools.partial(_fill, out, job.copies[di], bufs, spec.src, views)
+                        big.append((n, fill))
                 dst_bufs.append(out)
             dst_devs.append(dev)
         if batch:
             _fill_all(job, batch, bufs, views)
             batch = []
+        if banded:
+            # The array's large shards in one copy, split by bands between the threads.
+            nb = sum(out.nbytes for out, _ in banded)
+            big += banded_tasks(nb, functools.partial(_fill_all, job, banded, bufs, views))
+            banded = []
         leaves.append((dst_bufs, dst_devs))
     if whole:
         # Copies in place by ``copies_in_place``, the others by one batched PjRt copy.
@@ -338,7 +358,7 @@ def run_host(
         done.update(zip(go, moved, strict=True))
         for i, (li, k, _, _) in enumerate(whole):
             leaves[li][0][k] = done[i]
-    run_copies(big)  # one task per destination shard: no two write the same memory
+    run_copies(big)  # no two tasks write the same memory (shards, or parts of them)
     outs = []
     for job, sharding, (dst_bufs, dst_devs) in zip(jobs, shardings, leaves, strict=True):
         kinds = {isinstance(b, jax.Array) for b in dst_bufs}
