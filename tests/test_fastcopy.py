@@ -516,8 +516,9 @@ def _counting(monkeypatch, raises: bool = False) -> list[int]:
 )
 def test_host_executor_is_exact_with_tables_without_and_when_refused(case, mode, seed):
     # The host executor copies each array's small shards in one C call (its pieces as
-    # table rows), each large shard in one call on a copy thread; with the extension
-    # off, piece by piece; and piece by piece again where the C code refuses a buffer.
+    # table rows), its large shards in one call split by bands between the copy
+    # threads; with the extension off, piece by piece; and piece by piece again where
+    # the C code refuses a buffer.
     src, dst, shape, dtype = case
     with pytest.MonkeyPatch.context() as mp:
         calls = _counting(mp, raises=mode == "refused")
