@@ -528,21 +528,82 @@ def test_host_executor_is_exact_with_tables_without_and_when_refused(case, mode,
         assert calls[0] == 0
 
 
-def test_host_executor_fills_an_arrays_small_shards_in_one_call(monkeypatch):
-    # 16 arrays, each cut from row shards into (2 x 4) blocks on the same 8 devices:
-    # 4 pieces per destination shard, 32 per array, one C call per array.
+@needs_ext
+@settings(max_examples=40, deadline=None)
+@given(case=cases(), seed=st.integers(0, 2**16), refused=st.booleans())
+def test_host_executor_splits_large_shards_by_bands_exactly(case, seed, refused):
+    # Every shard "large" (own buffer, banded copy split between threads), bands of
+    # ~100 bytes, up to 3 parts from 64 bytes on: the parts, run on the copy threads,
+    # make numpy's copy; refused, part 0 alone copies piece by piece.
+    from reshard import _local_executor
+
+    src, dst, shape, dtype = case
+    with pytest.MonkeyPatch.context() as mp:
+        _counting(mp, raises=refused)
+        mp.setattr(_local_executor, "SMALL_SHARD_BYTES", 0)
+        mp.setattr(_local_executor, "THREADED_COPY_BYTES", 32)
+        mp.setattr(_local_executor, "COPY_THREADS", 3)
+        mp.setattr(_buffers, "BAND_BYTES", 100)
+        run_case(src, dst, shape, dtype, executor="host", seed=seed)
+
+
+def _rows_and_blocks():
+    """Row shards on the 8 devices and (2 x 4) blocks on them, where the extension is
+    on (the test is skipped otherwise)."""
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import reshard
-    from reshard import _local_executor
-
     if fastcopy is None or not _buffers.NATIVE_COPY:
         pytest.skip("reshard._fastcopy is not built or is switched off")
     devs = np.array(jax.devices()[:8])
-    src = NamedSharding(Mesh(devs, ("a",)), P("a", None))
-    dst = NamedSharding(Mesh(devs.reshape(2, 4), ("b", "c")), P("b", "c"))
+    rows = NamedSharding(Mesh(devs, ("a",)), P("a", None))
+    return rows, NamedSharding(Mesh(devs.reshape(2, 4), ("b", "c")), P("b", "c"))
+
+
+def test_host_executor_copies_an_arrays_large_shards_in_parts(monkeypatch):
+    # One array of 4 MiB from row shards to (2 x 4) blocks: its 8 shards of 512 KiB
+    # (made "large") are one copy in 3 parts, each part one C call on a copy thread.
+    import jax
+
+    import reshard
+    from reshard import _local_executor
+
+    src, dst = _rows_and_blocks()
+    truth = np.random.default_rng(3).random((1024, 1024), np.float32)
+    x = jax.device_put(truth, src)
+    seen = []
+    real = fastcopy.copy_pieces
+
+    def recording(srcs, work, stream, band, part, parts):
+        seen.append((len(work), part, parts))
+        real(srcs, work, stream, band, part, parts)
+
+    import types
+
+    stub = types.SimpleNamespace(
+        **{k: getattr(fastcopy, k) for k in dir(fastcopy) if not k.startswith("_")}
+    )
+    stub.copy_pieces = recording
+    monkeypatch.setattr(_buffers, "_fastcopy", stub)
+    monkeypatch.setattr(_local_executor, "SMALL_SHARD_BYTES", 0)
+    monkeypatch.setattr(_local_executor, "COPY_THREADS", 3)
+    y = reshard.reshard(x, dst, executor="host")
+    assert sorted(seen) == [(8, 0, 3), (8, 1, 3), (8, 2, 3)]
+    assert np.asarray(y).tobytes() == truth.tobytes() and y.sharding == dst
+    for s in y.addressable_shards:
+        assert np.asarray(s.data).tobytes() == truth[s.index].tobytes()
+
+
+def test_host_executor_fills_an_arrays_small_shards_in_one_call(monkeypatch):
+    # 16 arrays, each cut from row shards into (2 x 4) blocks on the same 8 devices:
+    # 4 pieces per destination shard, 32 per array, one C call per array.
+    import jax
+
+    import reshard
+    from reshard import _local_executor
+
+    src, dst = _rows_and_blocks()
     truth = [np.random.default_rng(i).random((64, 32), np.float32) for i in range(16)]
     xs = [jax.device_put(t, src) for t in truth]
     calls = _counting(monkeypatch)
