@@ -51,9 +51,10 @@ except ImportError:  # pragma: no cover - not built (no C compiler at install)
 
 # Copies of this many bytes or more, with contiguous last axes, are made by
 # ``_fastcopy`` (each contiguous run one memcpy, without the GIL) where it is built and
-# ``RESHARD_NATIVE_COPY`` is not 0; those of ``STREAM_COPY_BYTES`` or more are written
-# with non-temporal stores (x86-64), which skip the cache: their destination (a send
-# buffer, an output shard) is not read again soon, and they are larger than the L2.
+# ``RESHARD_NATIVE_COPY`` is not 0; those of ``STREAM_COPY_BYTES`` or more (a copy, or
+# all the boxes of one ``copy_pieces`` call together) are written with non-temporal
+# stores (x86-64), which skip the cache: their destination (a send buffer, an output
+# shard) is not read again soon, and they are larger than the L2.
 NATIVE_COPY_BYTES = 64 << 10
 STREAM_COPY_BYTES = 1 << 20
 NATIVE_COPY = _fastcopy is not None and os.environ.get("RESHARD_NATIVE_COPY", "1") != "0"
@@ -98,7 +99,7 @@ def copy_pieces(
 ) -> bool:
     """Copies the boxes of ``work``'s ``(destination, table)``s out of ``srcs`` by one
     call of ``_fastcopy.copy_pieces`` (tables from ``piece_table``/``rows_table``;
-    boxes from ``STREAM_COPY_BYTES`` on written past the cache), in bands of
+    written past the cache where the boxes hold ``STREAM_COPY_BYTES`` together), in bands of
     ``BAND_BYTES``; with ``parts``, only part ``part`` of every box's bands, so that
     ``parts`` calls on as many threads copy everything once. ``False``, having written
     nothing, where the C code refuses a buffer (one not C-contiguous), which it does
