@@ -306,6 +306,27 @@ def test_a_process_that_needs_whole_source_shards_gets_them_unpacked() -> None:
     assert not receiver.arrive_whole  # every destination block is assembled
 
 
+def test_a_schedule_of_large_ops_builds_its_tables_at_its_first_run() -> None:
+    """Its tables at the first run where its ops copy EAGER_TABLE_OP_BYTES or more on
+    average (an uncached call, which builds its schedule anew, then copies by them
+    too), at the second where they are smaller: each process by its own ops (tables
+    are its own copies; the collectives do not change)."""
+    if not _buffers.NATIVE_COPY:
+        pytest.skip("reshard._fastcopy is not built or is switched off")
+    leaves = fsdp_to_tp()  # the sender packs 768 B per op, the receiver cuts 192 B
+    blocks, copies = blocks_and_copies(leaves)
+    process = [0, 0, 0, 0, 1, 1, 1, 1]
+    for eager, expect in [(1 << 18, (2, 2)), (1 << 8, (1, 2)), (1 << 7, (1, 1))]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(host, "EAGER_TABLE_OP_BYTES", eager)
+            for me in (0, 1):
+                sched = host.HostSchedule(copies, blocks, [2, 4], process, me)
+                assert sched.tables_at == expect[me]
+                for run in range(1, 3):
+                    sched.ran()
+                    assert (sched.pack_tables is not None) is (run >= expect[me])
+
+
 @pytest.mark.parametrize("bundled", [True, False])
 def test_small_shards_needed_whole_are_packed_whole(bundled) -> None:
     """fsdp -> tp, shards below WHOLE_BYTES[0]: each sender packs each source shard

@@ -137,6 +137,11 @@ WHOLE_STAGE_BYTES = 16 * 2**20
 # launch each): the 40 MiB tree's relayout 0.87-1.01x the time over seven launches
 # (median 0.97x), the 288 MiB one's 0.98-1.05x over four; same layout unchanged.
 BUNDLED = True
+# A schedule whose ops (packing, unpacking and copies within a process) copy at least
+# this many bytes each on average builds its tables at its first run, so an uncached
+# call (which builds its schedule anew) copies by them too: by bands, streamed past
+# the cache. Below it, at its second run (``HostSchedule.ran``).
+EAGER_TABLE_OP_BYTES = 1 << 18
 
 
 def settings() -> tuple[Any, ...]:
@@ -496,8 +501,18 @@ class HostSchedule:
             self.pack.append({p: _pack_ops(v, itemsizes) for p, v in sends.items()})
             self.unpack.append({p: (_written(v, itemsizes), v) for p, v in writes.items()})
         # The same ops as tables for one C call each (``None``: op by op), built by
-        # ``build_tables`` once the schedule runs a second time.
+        # ``build_tables`` at the schedule's first run where its ops are large (the
+        # tables also cut in bands and stream: ``ran``), else at its second.
         self.runs = 0
+        nops = sum(len(ops) for st in self.pack for ops in st.values())
+        nops += sum(len(ops) for st in self.unpack for _, ops in st.values())
+        nbytes = sum(op[2] - op[1] for st in self.pack for ops in st.values() for op in ops)
+        nbytes += sum(n for st in self.unpack for n, _ in st.values())
+        for li, per_pos in enumerate(self.local_copies):
+            for cs in per_pos.values():
+                nops += len(cs)
+                nbytes += sum(math.prod(c[3]) for c in cs) * itemsizes[li]
+        self.tables_at = 1 if nbytes >= EAGER_TABLE_OP_BYTES * max(1, nops) else 2
         self._sizes = (list(blocks), list(itemsizes))
         self.pack_tables: list[dict[int, PackTables]] | None = None
         self.unpack_tables: list[StageTakes] | None = None
@@ -509,13 +524,14 @@ class HostSchedule:
         )
 
     def ran(self) -> None:
-        """Counts a run of the schedule; the second one builds its tables. Building
-        them costs about what they save in one run (a few us per op, ops being per
-        array here, not per geometry), so a schedule run once, as an uncached call's
-        is, copies op by op: 512 arrays of 64 KiB across 2 processes, uncached, took
-        1.07-1.12x the time with the tables built at every call."""
+        """Counts a run of the schedule; the one ``tables_at`` says builds its tables.
+        For small ops, building them costs about what they save in one run (a few us
+        per op, ops being per array here, not per geometry), so a schedule run once,
+        as an uncached call's is, copies op by op: 512 arrays of 64 KiB across 2
+        processes, uncached, took 1.07-1.12x the time with the tables built at every
+        call. Large ops copy much faster by the tables (``EAGER_TABLE_OP_BYTES``)."""
         self.runs += 1
-        if self.runs == 2:
+        if self.runs == self.tables_at:
             try:
                 self.build_tables()
             except Exception:  # pragma: no cover - tables only speed copies up
