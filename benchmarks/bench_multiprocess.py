@@ -304,27 +304,36 @@ def _agreed_fastest(medians: dict[int, float]) -> int:
 
 def _relayout_cut(full: bool) -> Any:
     """A function doing the copies the receiving process of the fsdp -> tp relayout
-    does, with ``copy_into`` alone (as the executor copies): for every matrix, each of
-    its 4 devices' column block out of every row (all 4 source shards arrived), on the
-    executor's copy threads."""
-    from reshard import _local_executor
-    from reshard._buffers import copy_into
+    does, as the executor copies them: for every matrix (all 4 source shards arrived,
+    here one block), each of its 4 devices' column block out of every row, by one
+    ``copy_pieces`` call per matrix split by bands between the copy threads."""
+    from reshard import _buffers, _local_executor
+    from reshard._buffers import copy_into, copy_pieces, piece_table
 
-    jobs = []
+    tasks: list[Any] = []
     for shape, dtype in llm_tree_shapes(full).values():
         if len(shape) != 2:
             continue  # the norms: 4 KiB each
         src = np.ones(shape, dtype)
         width = shape[1] // 4
-        for k in range(4):
-            dst = np.zeros((shape[0], width), dtype)
-            jobs.append((dst, src[:, k * width : (k + 1) * width]))
+        dsts = [np.zeros((shape[0], width), dtype) for _ in range(4)]
+        cols = [(slice(0, shape[0]), slice(k * width, (k + 1) * width)) for k in range(4)]
+        everything = (slice(0, shape[0]), slice(0, width))
+        size = np.dtype(dtype).itemsize
+        tables = [
+            piece_table([(0, c, everything)], [shape], d.shape, size)
+            for c, d in zip(cols, dsts, strict=True)
+        ]
 
-    def per_device(k: int) -> None:
-        for dst, piece in jobs[k::4]:
-            copy_into(dst, piece)
+        def cut(part: int, parts: int, src=src, dsts=dsts, cols=cols, tables=tables) -> None:
+            native = _buffers.NATIVE_COPY and all(t is not None for t in tables)
+            if native and copy_pieces([src], list(zip(dsts, tables, strict=True)), part, parts):
+                return
+            if part == 0:  # without the C extension: numpy, piece by piece
+                for d, c in zip(dsts, cols, strict=True):
+                    copy_into(d, src[c])
 
-    tasks = [(1 << 30, functools.partial(per_device, k)) for k in range(4)]
+        tasks += _local_executor.banded_tasks(src.nbytes, cut)
     return lambda: _local_executor.run_copies(tasks)
 
 
