@@ -465,6 +465,7 @@ def test_copy_pieces_refuses_bad_rows_and_writes_nothing():
         ([src], [(dst, bad(run=65))], ValueError, "bounds"),
         ([src], [(dst, bad(a0=1 << 62))], ValueError, "bounds"),  # a count that overflows
         ([src], [(dst, bad(a1=-8))], ValueError, "bounds"),  # a negative step
+        ([src], [(dst, bad(a1=0))], ValueError, "bounds"),  # rows written on each other
         ([src], [(dst, bad(a0=0))], ValueError, "bounds"),
         ([src], [(dst, bad(outer=fastcopy.MAX_OUTER + 1))], ValueError, "bounds"),
         ([src], [(dst, good[:, :-1].copy())], ValueError, "TABLE_WIDTH"),
@@ -483,6 +484,9 @@ def test_copy_pieces_refuses_bad_rows_and_writes_nothing():
         with pytest.raises(error, match=words):
             fastcopy.copy_pieces(srcs, [(other, good)] + work, 0)
         assert not dst.any() and not other.any()
+    for band in (0, 64):  # rows of no bytes: nothing to copy, in bands too
+        fastcopy.copy_pieces([src], [(dst, bad(run=0))], 0, band)
+        assert not dst.any()
     fastcopy.copy_pieces([src], [(dst, good)], 0)
     assert dst[:4, :4].tobytes() == src[:4, :4].tobytes() and not dst[4:].any()
     fastcopy.copy_pieces([], [], 0)  # nothing to do

@@ -285,10 +285,17 @@ static int box_fits(const int64_t *r, int64_t off, int dst, Py_ssize_t len) {
     for (int64_t k = 0; k < r[T_OUTER]; k++) {
         int64_t count = r[T_AXES + 3 * k], step = r[T_AXES + 3 * k + (dst ? 1 : 2)];
         if (count < 1 || step < 0) return 0;
+        if (dst && count > 1 && step == 0) return 0; /* writing one place again and again */
         if (count > 1 && step > (len - end) / (count - 1)) return 0;
         end += (count - 1) * step;
     }
     return 1;
+}
+
+/* a * b for a, b >= 0, INT64_MAX where that overflows (a box's bytes, with rows that
+ * overlap in the source, can outgrow its buffers). */
+static int64_t mul_sat(int64_t a, int64_t b) {
+    return a && b > INT64_MAX / a ? INT64_MAX : a * b;
 }
 
 /* One box, resolved to pointers; unused outer axes have a count of 1. */
@@ -323,9 +330,10 @@ static void copy_banded(box_t *boxes, Py_ssize_t n, int64_t band_bytes, int64_t 
     for (Py_ssize_t i = 0; i < n; i++) {
         box_t *b = &boxes[i];
         int64_t count;
+        if (!b->row) continue; /* nothing to copy */
         if (b->outer) {
             b->unit = b->row;
-            for (int k = 0; k < b->outer - 1; k++) b->unit *= b->c[k];
+            for (int k = 0; k < b->outer - 1; k++) b->unit = mul_sat(b->unit, b->c[k]);
             count = b->c[b->outer - 1];
         } else {
             b->unit = 64;
@@ -474,7 +482,7 @@ static PyObject *fastcopy_copy_pieces(PyObject *self, PyObject *args) {
                     b->c[k] = used ? r[T_AXES + 3 * k] : 1;
                     b->ds[k] = used ? r[T_AXES + 3 * k + 1] : 0;
                     b->ss[k] = used ? r[T_AXES + 3 * k + 2] : 0;
-                    bytes *= b->c[k];
+                    bytes = mul_sat(bytes, b->c[k]);
                 }
                 total = bytes > INT64_MAX - total ? INT64_MAX : total + bytes;
                 b->d = dbase + r[T_DOFF];
