@@ -99,11 +99,11 @@ def copy_pieces(
 ) -> bool:
     """Copies the boxes of ``work``'s ``(destination, table)``s out of ``srcs`` by one
     call of ``_fastcopy.copy_pieces`` (tables from ``piece_table``/``rows_table``;
-    written past the cache where the boxes hold ``STREAM_COPY_BYTES`` together), in bands of
-    ``BAND_BYTES``; with ``parts``, only part ``part`` of every box's bands, so that
-    ``parts`` calls on as many threads copy everything once. ``False``, having written
-    nothing, where the C code refuses a buffer (one not C-contiguous), which it does
-    for every part alike."""
+    written past the cache where the boxes hold ``STREAM_COPY_BYTES`` together), in
+    bands of ``BAND_BYTES``; with ``parts``, only part ``part`` of every box's bands,
+    so that ``parts`` calls on as many threads copy everything once. ``False``, having
+    written nothing, where the C code refuses a buffer (one not C-contiguous), which
+    it does for every part alike."""
     try:
         _fastcopy.copy_pieces(srcs, work, STREAM_COPY_BYTES, BAND_BYTES, part, parts)
     except (BufferError, ValueError):  # checked before any byte is written

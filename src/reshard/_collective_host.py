@@ -621,7 +621,7 @@ def _unpack_tasks(
         _take(raws, outs[pos], whole, dtypes)  # chunks that become blocks: no copy
         work += [(outs[pos][li], t) for li, t in tables.items()]
         fallback.append((pos, [op for op in ops if op[7] is not None]))
-        nbytes += n
+        nbytes += n - sum(op[3] - op[2] for op in whole)  # (bytes copied)
     if work:
         srcs = [raws[land][k] for land, k in chunks]
         copy = functools.partial(_take_banded, srcs, work, raws, outs, fallback, dtypes)
