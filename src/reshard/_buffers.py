@@ -18,6 +18,7 @@ handed out twice while any view of them is alive.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import os
 import threading
@@ -111,8 +112,10 @@ def copy_pieces(
     return True
 
 
-def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
-    """The byte strides of a C-contiguous array of ``shape``."""
+@functools.lru_cache(maxsize=4096)
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The byte strides of a C-contiguous array of ``shape`` (cached: tables ask for
+    those of a model's few shapes once per piece)."""
     strides = [itemsize] * len(shape)
     for k in range(len(shape) - 2, -1, -1):
         strides[k] = strides[k + 1] * shape[k + 1]
@@ -186,14 +189,9 @@ def piece_table(
     if _fastcopy is None:
         return None
     dst_strides = c_strides(dst_shape, itemsize)
-    strides_of: dict[tuple[int, ...], tuple[int, ...]] = {}
     rows = []
     for si, ssl, dsl in pieces:
-        src_shape = src_shapes[si]
-        src_strides = strides_of.get(src_shape)
-        if src_strides is None:
-            src_strides = strides_of[src_shape] = c_strides(src_shape, itemsize)
-        row = piece_row(si, ssl, src_strides, dsl, dst_strides, itemsize)
+        row = piece_row(si, ssl, c_strides(src_shapes[si], itemsize), dsl, dst_strides, itemsize)
         if row is not None:
             rows.append(row)
     return rows_table(rows)

@@ -589,10 +589,11 @@ def _take_banded(
     """Part ``part`` of the copies out of a stage's chunks, by one C call for the
     ``(block, table)``s of every position (``StageTakes``); where the C code refuses
     a buffer, which it does before writing anything and for every part alike, part 0
-    takes the ``fallback`` ops (per position) one by one."""
+    makes the copies of the ``fallback`` ops (per position) one by one (those whose
+    chunk became a block whole were adopted already)."""
     if not copy_pieces(srcs, work, part, parts) and part == 0:
         for pos, ops in fallback:
-            _take(raws, outs[pos], ops, dtypes)
+            _take(raws, outs[pos], [op for op in ops if op[7] is not None], dtypes)
 
 
 def _unpack_tasks(
@@ -620,7 +621,7 @@ def _unpack_tasks(
         tables, whole = tabled
         _take(raws, outs[pos], whole, dtypes)  # chunks that become blocks: no copy
         work += [(outs[pos][li], t) for li, t in tables.items()]
-        fallback.append((pos, [op for op in ops if op[7] is not None]))
+        fallback.append((pos, ops))
         nbytes += n - sum(op[3] - op[2] for op in whole)  # (bytes copied)
     if work:
         srcs = [raws[land][k] for land, k in chunks]

@@ -76,26 +76,25 @@ __attribute__((target("avx512f"))) static void stream_lines_64(char *d, const ch
 #endif
 
 static void (*stream_lines)(char *, const char *, Py_ssize_t) = stream_lines_16;
-static int stream_bytes_wide = 16; /* the width stream_lines stores, in bytes */
 
 /* Chooses the stores stream_lines uses: the widest the CPU has, at most max_width
  * bytes (16, 32 or 64). Returns the width chosen. */
 static int choose_stream(int max_width) {
     stream_lines = stream_lines_16;
-    stream_bytes_wide = 16;
 #if WIDE_STREAM
     __builtin_cpu_init();
     if (max_width >= 64 && __builtin_cpu_supports("avx512f")) {
         stream_lines = stream_lines_64;
-        stream_bytes_wide = 64;
-    } else if (max_width >= 32 && __builtin_cpu_supports("avx")) {
+        return 64;
+    }
+    if (max_width >= 32 && __builtin_cpu_supports("avx")) {
         stream_lines = stream_lines_32;
-        stream_bytes_wide = 32;
+        return 32;
     }
 #else
     (void)max_width;
 #endif
-    return stream_bytes_wide;
+    return 16;
 }
 
 /* One row with streaming stores of whole cache lines; plain copies up to the first
