@@ -132,13 +132,18 @@ def place(values: Any, sharding: Any) -> jax.Array:
     on CPU), the buffer is made in device memory and copied there by
     ``jax.device_put``: still fresh, as the library supports jax 0.10 and newer.
     """
+    # (One module-level function: a new lambda per call compiled a program per call.)
     try:
-        return jax.jit(lambda v: v, out_shardings=sharding)(values)
+        return jax.jit(_identity, out_shardings=sharding)(values)
     except jax.errors.JaxRuntimeError:
         if sharding.memory_kind in (None, "device"):
             raise
-        on_device = jax.jit(lambda v: v, out_shardings=sharding.with_memory_kind("device"))
+        on_device = jax.jit(_identity, out_shardings=sharding.with_memory_kind("device"))
         return jax.device_put(on_device(values), sharding)
+
+
+def _identity(v: Any) -> Any:
+    return v
 
 
 def check_result(y: jax.Array, truth: Any, dst: Any) -> None:

@@ -557,27 +557,69 @@ def test_plan_dtype_refuses_ml_dtypes_names_jax_has_no_arrays_of(name: str) -> N
     ],
 )  # fmt: skip
 def test_bad_arguments_are_one_line_exit_2(
-    args: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]
+    args: list[str],
+    needles: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if args[0] in ("demo", "bench") or args in _BAD_ARGUMENTS_IN_A_SUBPROCESS:
-        # demo and bench check some arguments only once they run, where a mistake let
-        # through would start work (and demo must choose its devices before JAX starts).
+    if args in _BAD_ARGUMENTS_IN_A_SUBPROCESS:
         res = run_cli(*args, timeout=60)
     else:
-        # Parsing and plan's checks, in this process: a subprocess per case (~2 s to
-        # start Python and import JAX) cost over a minute of the suite.
+        # In this process: a subprocess per case (~2 s to start Python and import JAX)
+        # cost over a minute of the suite. demo and bench check some arguments only
+        # once they run; each step that would start work (choosing the simulated
+        # devices, launching processes, running the demo or the suite) fails the test
+        # here, so every mistake must be reported before any of them.
+        _fail_on_work(monkeypatch)
         code = _cli.main(args)
         out, err = capsys.readouterr()
         res = subprocess.CompletedProcess(args, code, out, err)
     one_line_usage_error(res, *needles)
 
 
-# Run as a user runs them too: the first parse error and the overflow guards.
+# Run as a user runs them too: the first parse error, the overflow guards, and a
+# mistake of each command that checks its arguments as it runs.
 _BAD_ARGUMENTS_IN_A_SUBPROCESS = [
     ["plan", "--shape", "10x", "--src-mesh", "2", "--dst-mesh", "2"],
     ["--bogus"],
     ["plan", "--shape", "9" * 5000, "--src-mesh", "2", "--dst-mesh", "2"],
+    ["demo", "--devices", "7"],
+    ["bench", "--cases", "nope"],
 ]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["demo", "--devices", "4"], ["demo", "--processes", "2"], ["bench", "--cases", "disjoint"]],
+)
+def test_the_guard_of_in_process_mistakes_stops_commands_that_are_right(
+    args: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Otherwise the in-process cases above could pass with the guard doing nothing.
+    _fail_on_work(monkeypatch)
+    with pytest.raises(AssertionError, match="work started"):
+        _cli.main(args)
+
+
+def _fail_on_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes every step of ``demo`` and ``bench`` that starts work raise
+    ``AssertionError`` (which ``main`` does not catch), so that a command-line
+    mistake not reported before them fails the test."""
+    from reshard import _cli_bench, _cli_demo
+
+    def started(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("work started before the mistake was reported")
+
+    for name in ("configure_cpu_devices", "_run_processes", "_run_with_progress"):
+        monkeypatch.setattr(_cli_demo, name, started)
+    find_suite = _cli_bench.find_suite
+
+    def suite_without_work() -> tuple[Any, str, Any]:
+        _, where, module = find_suite()
+        known = getattr(module, "SCENARIOS", None)
+        return started, where, argparse.Namespace(SCENARIOS=known, setup_devices=started)
+
+    monkeypatch.setattr(_cli_bench, "find_suite", suite_without_work)
 
 
 def test_a_value_starting_with_a_dash_that_is_valid_is_shown_how_to_pass() -> None:
@@ -868,17 +910,21 @@ def test_bench_runs_a_case_named_twice_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("value", ["abc", "1GiB"])
-def test_a_bad_host_pool_size_is_a_usage_error_not_a_traceback(value: str) -> None:
+def test_a_bad_host_pool_size_is_a_usage_error_not_a_traceback(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``RESHARD_HOST_POOL_BYTES`` is read on first use, not at import: a bad value
     leaves ``import reshard`` and ``--help`` working, and a command says it in one line."""
     res = run_cli("--help", RESHARD_HOST_POOL_BYTES=value)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
-    res = run_cli(
-        "plan", "--shape", "8", "--src-mesh", "2", "--dst-mesh", "2", RESHARD_HOST_POOL_BYTES=value
-    )
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
-    assert "reshard plan: error: RESHARD_HOST_POOL_BYTES" in res.stderr and value in res.stderr
-    res = run_cli(
-        "plan", "--shape", "8", "--src-mesh", "2", "--dst-mesh", "2", RESHARD_HOST_POOL_BYTES=""
-    )  # empty: unset
-    assert res.returncode == 0, res.stderr
+    # The command, in this process (the value is read when the command starts).
+    plan = ["plan", "--shape", "8", "--src-mesh", "2", "--dst-mesh", "2"]
+    monkeypatch.setenv("RESHARD_HOST_POOL_BYTES", value)
+    assert _cli.main(plan) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and out == "", err
+    assert err.startswith("reshard plan: error: RESHARD_HOST_POOL_BYTES") and value in err, err
+    monkeypatch.setenv("RESHARD_HOST_POOL_BYTES", "")  # empty: unset
+    assert _cli.main(plan) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("reshard plan: bfloat16[8]"), (out, err)

@@ -262,6 +262,15 @@ LAYOUT_DESTINATIONS = {
 }
 
 
+def _identity(a):
+    return a
+
+
+@jax.jit
+def _plus_zero(a):
+    return a + 0
+
+
 @pytest.mark.parametrize("executor", ["host", "device", "collective"])
 @pytest.mark.parametrize("where", list(LAYOUT_DESTINATIONS))
 @pytest.mark.parametrize("donate", [False, True])
@@ -272,7 +281,9 @@ def test_sources_in_a_custom_layout_move_exactly(private, executor, where, donat
     truth.view(np.uint32)[0, 0, 0] = 0x7FC01234  # a NaN with a payload
     src = NamedSharding(Mesh(np.array(DEVS[:4]), ("x",)), P("x"))
     transposed = Format(Layout(major_to_minor=(0, 2, 1)), src)
-    x = jax.jit(lambda a: a, out_shardings=transposed)(place(truth, src))
+    # (Module-level functions: a new lambda per call would compile anew each time.)
+    to_layout = jax.jit(_identity, out_shardings=transposed)
+    x = to_layout(place(truth, src))
     assert x.format.layout.major_to_minor == (0, 2, 1)
     ids, spec = LAYOUT_DESTINATIONS[where]
     devices = np.array([DEVS[i] for i in ids])
@@ -281,9 +292,9 @@ def test_sources_in_a_custom_layout_move_exactly(private, executor, where, donat
     else:
         dst = NamedSharding(Mesh(devices, ("x",)), spec)
     for may_alias in (None, True, False):
-        x = jax.jit(lambda a: a, out_shardings=transposed)(place(truth, src))
+        x = to_layout(place(truth, src))
         y = reshard.reshard(x, dst, executor=executor, donate=donate, may_alias=may_alias)
         assert x.is_deleted() == donate  # the input itself, not its default-layout copy
         check_result(y, truth, dst)
-        computed = np.asarray(jax.jit(lambda a: a + 0)(y))
+        computed = np.asarray(_plus_zero(y))
         np.testing.assert_array_equal(computed[1:], truth[1:] + 0)
