@@ -421,6 +421,18 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         assert fresh is not p
         check(fresh.execute(x), a, dst)
         assert only_program(fresh)._compiled == compiled
+        if program.host_packed:
+            # ...and the same schedule, its copy tables with it: not built again.
+            assert only_program(fresh).host is program.host
+            # Other arguments, another schedule; none kept once the caches are cleared.
+            other_dst = ns(devs[half:], ("t",), P("t"))
+            other = reshard.plan(x, other_dst, cache=False)
+            check(other.execute(x), a, other_dst)
+            assert only_program(other).host is not program.host
+            reshard.clear_plan_cache()
+            again = reshard.plan(x, dst, cache=False)
+            check(again.execute(x), a, dst)
+            assert only_program(again).host is not program.host
 
     def donation_frees_sources_after_success() -> None:
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))

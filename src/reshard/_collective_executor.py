@@ -232,13 +232,26 @@ class CollectiveProgram:
         # processes): the last one.
         self.status_stage: int | None = None
         if pack_on_host:
-            self.host = host_packed.HostSchedule(
-                copies,
-                self.leaves,
-                [dt.itemsize for dt in self.dtypes],
-                [d.process_index for d in self.devices],
-                me,
-            )
+
+            def schedule() -> host_packed.HostSchedule:
+                return host_packed.HostSchedule(
+                    copies,
+                    self.leaves,
+                    [dt.itemsize for dt in self.dtypes],
+                    [d.process_index for d in self.devices],
+                    me,
+                )
+
+            # A plan built anew for each call (uncached, the default) would build its
+            # schedule anew too, and the copy tables with it (~11 ms on the receiving
+            # process of the 288 MiB benchmark's relayout, which the others then wait
+            # for in ``agree``): equal programs share one, found by the fingerprint,
+            # which covers everything it is made from.
+            if self.fingerprint:
+                key = ("host schedule", self.fingerprint, me)
+                self.host = _programs.shared(key, schedule)
+            else:
+                self.host = schedule()
             if jax.process_count() > 1 and self.host.stages:
                 self.status_stage = len(self.host.stages) - 1
         else:

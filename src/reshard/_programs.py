@@ -12,6 +12,10 @@ entries took ~1.7 GB, so the bound is 256, ~0.4 GB at most). The device executor
 takes two entries per device per plan (its cut and build programs), so 256 entries
 hold the programs of 16 plans over 8 devices; a plan in the plan cache also holds
 its own, and never compiles them again.
+
+The host-packed collective executor keeps its schedules here too (one entry each,
+keyed by the program's fingerprint): what it packs, sends and unpacks per stage, with
+its copy tables, which an uncached plan would otherwise build again at every call.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ _lock = threading.Lock()
 
 
 def shared(key: Hashable, build: Callable[[], Any]) -> Any:
-    """The program for ``key`` from the cache, else ``build()``'s (then cached)."""
+    """The entry for ``key`` from the cache, else ``build()``'s (then cached)."""
     with _lock:
         fn = _programs.get(key)
         if fn is not None:
