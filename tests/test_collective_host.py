@@ -308,9 +308,9 @@ def test_a_process_that_needs_whole_source_shards_gets_them_unpacked() -> None:
 
 def test_a_schedule_of_large_ops_builds_its_tables_at_its_first_run() -> None:
     """Its tables at the first run where its ops copy EAGER_TABLE_OP_BYTES or more on
-    average (an uncached call, which builds its schedule anew, then copies by them
-    too), at the second where they are smaller: each process by its own ops (tables
-    are its own copies; the collectives do not change)."""
+    average (a call that builds the schedule then copies by them too), at the second
+    where they are smaller: each process by its own ops (tables are its own copies; the
+    collectives do not change)."""
     if not _buffers.NATIVE_COPY:
         pytest.skip("reshard._fastcopy is not built or is switched off")
     leaves = fsdp_to_tp()  # the sender packs 768 B per op, the receiver cuts 192 B
@@ -325,6 +325,13 @@ def test_a_schedule_of_large_ops_builds_its_tables_at_its_first_run() -> None:
                 for run in range(1, 3):
                     sched.ran()
                     assert (sched.pack_tables is not None) is (run >= expect[me])
+    # Calls in two threads sharing a schedule may count past tables_at together: the
+    # next run still builds them.
+    sched = host.HostSchedule(copies, blocks, [2, 4], process, 1)
+    sched.runs = sched.tables_at
+    assert sched.pack_tables is None
+    sched.ran()
+    assert sched.pack_tables is not None and sched.unpack_tables is not None
 
 
 @pytest.mark.parametrize("bundled", [True, False])

@@ -138,9 +138,10 @@ WHOLE_STAGE_BYTES = 16 * 2**20
 # (median 0.97x), the 288 MiB one's 0.98-1.05x over four; same layout unchanged.
 BUNDLED = True
 # A schedule whose ops (packing, unpacking and copies within a process) copy at least
-# this many bytes each on average builds its tables at its first run, so an uncached
-# call (which builds its schedule anew) copies by them too: by bands, streamed past
-# the cache. Below it, at its second run (``HostSchedule.ran``).
+# this many bytes each on average builds its tables at its first run, so that its first
+# call copies by them too: by bands, streamed past the cache. Below it, at its second
+# run (``HostSchedule.ran``). (Equal programs share one schedule, uncached calls
+# included: ``CollectiveProgram``.)
 EAGER_TABLE_OP_BYTES = 1 << 18
 
 
@@ -504,6 +505,7 @@ class HostSchedule:
         # ``build_tables`` at the schedule's first run where its ops are large (the
         # tables also cut in bands and stream: ``ran``), else at its second.
         self.runs = 0
+        self.tables_tried = False
         nops = sum(len(ops) for st in self.pack for ops in st.values())
         nops += sum(len(ops) for st in self.unpack for _, ops in st.values())
         nbytes = sum(op[2] - op[1] for st in self.pack for ops in st.values() for op in ops)
@@ -526,12 +528,15 @@ class HostSchedule:
     def ran(self) -> None:
         """Counts a run of the schedule; the one ``tables_at`` says builds its tables.
         For small ops, building them costs about what they save in one run (a few us
-        per op, ops being per array here, not per geometry), so a schedule run once,
-        as an uncached call's is, copies op by op: 512 arrays of 64 KiB across 2
-        processes, uncached, took 1.07-1.12x the time with the tables built at every
-        call. Large ops copy much faster by the tables (``EAGER_TABLE_OP_BYTES``)."""
+        per op, ops being per array here, not per geometry), so a schedule run once
+        copies op by op (as uncached calls did when each built its own schedule: 512
+        arrays of 64 KiB across 2 processes, uncached, took 1.07-1.12x the time with
+        the tables built at every call). Large ops copy much faster by the tables
+        (``EAGER_TABLE_OP_BYTES``). Calls in several threads may share the schedule:
+        the tables are built once the count reaches ``tables_at``, whoever counts."""
         self.runs += 1
-        if self.runs == self.tables_at:
+        if self.runs >= self.tables_at and not self.tables_tried:
+            self.tables_tried = True
             try:
                 self.build_tables()
             except Exception:  # pragma: no cover - tables only speed copies up
