@@ -68,9 +68,8 @@ def run_here(*args: str) -> subprocess.CompletedProcess[str]:
     environment as its subprocess (without the variables that choose colour): for
     ``plan``, which needs no devices, saving ~2 s per run (starting Python and JAX)."""
     out, err = io.StringIO(), io.StringIO()
-    scrubbed = {k: v for k, v in os.environ.items() if k in _env()}
     with (
-        mock.patch.dict(os.environ, scrubbed, clear=True),
+        mock.patch.dict(os.environ, _env(), clear=True),
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(err),
     ):
@@ -584,10 +583,7 @@ def test_plan_dtype_refuses_ml_dtypes_names_jax_has_no_arrays_of(name: str) -> N
     ],
 )  # fmt: skip
 def test_bad_arguments_are_one_line_exit_2(
-    args: list[str],
-    needles: list[str],
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    args: list[str], needles: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if args in _BAD_ARGUMENTS_IN_A_SUBPROCESS:
         res = run_cli(*args, timeout=60)
@@ -598,9 +594,7 @@ def test_bad_arguments_are_one_line_exit_2(
         # devices, launching processes, running the demo or the suite) fails the test
         # here, so every mistake must be reported before any of them.
         _fail_on_work(monkeypatch)
-        code = _cli.main(args)
-        out, err = capsys.readouterr()
-        res = subprocess.CompletedProcess(args, code, out, err)
+        res = run_here(*args)
     one_line_usage_error(res, *needles)
 
 
@@ -938,7 +932,7 @@ def test_bench_runs_a_case_named_twice_once(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", ["abc", "1GiB"])
 def test_a_bad_host_pool_size_is_a_usage_error_not_a_traceback(
-    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    value: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``RESHARD_HOST_POOL_BYTES`` is read on first use, not at import: a bad value
     leaves ``import reshard`` and ``--help`` working, and a command says it in one line."""
@@ -947,11 +941,11 @@ def test_a_bad_host_pool_size_is_a_usage_error_not_a_traceback(
     # The command, in this process (the value is read when the command starts).
     plan = ["plan", "--shape", "8", "--src-mesh", "2", "--dst-mesh", "2"]
     monkeypatch.setenv("RESHARD_HOST_POOL_BYTES", value)
-    assert _cli.main(plan) == 2
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err and out == "", err
-    assert err.startswith("reshard plan: error: RESHARD_HOST_POOL_BYTES") and value in err, err
+    res = run_here(*plan)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and res.stdout == "", res
+    assert res.stderr.startswith("reshard plan: error: RESHARD_HOST_POOL_BYTES"), res.stderr
+    assert value in res.stderr
     monkeypatch.setenv("RESHARD_HOST_POOL_BYTES", "")  # empty: unset
-    assert _cli.main(plan) == 0
-    out, err = capsys.readouterr()
-    assert err == "" and out.startswith("reshard plan: bfloat16[8]"), (out, err)
+    res = run_here(*plan)
+    assert res.returncode == 0 and res.stderr == "", res
+    assert res.stdout.startswith("reshard plan: bfloat16[8]"), res.stdout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import check_result, place, pointers
+from helpers import check_result, identity, place, pointers
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -262,10 +262,6 @@ LAYOUT_DESTINATIONS = {
 }
 
 
-def _identity(a):
-    return a
-
-
 @jax.jit
 def _plus_zero(a):
     return a + 0
@@ -282,7 +278,7 @@ def test_sources_in_a_custom_layout_move_exactly(private, executor, where, donat
     src = NamedSharding(Mesh(np.array(DEVS[:4]), ("x",)), P("x"))
     transposed = Format(Layout(major_to_minor=(0, 2, 1)), src)
     # (Module-level functions: a new lambda per call would compile anew each time.)
-    to_layout = jax.jit(_identity, out_shardings=transposed)
+    to_layout = jax.jit(identity, out_shardings=transposed)
     x = to_layout(place(truth, src))
     assert x.format.layout.major_to_minor == (0, 2, 1)
     ids, spec = LAYOUT_DESTINATIONS[where]
