@@ -34,6 +34,25 @@ def test_device_order_and_buffers(private):
         np.testing.assert_array_equal(np.asarray(buf), np.arange(16.0).reshape(4, 4)[index[dev]])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int4"])
+def test_host_views_are_the_buffers_themselves_read_only(private, dtype):
+    # Types numpy does not know (kind "V") take JAX's conversion directly on the
+    # private path, np.asarray on the public one: the same zero-copy, read-only view.
+    dt = np.dtype(getattr(jax.numpy, dtype))
+    truth = (np.arange(64) % 7).astype(dt).reshape(8, 8)
+    x = place(truth, NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P("a")))
+    for dev_id, buf in _compat.device_buffers(x).items():
+        view = _compat.host_view(buf)
+        assert view.dtype == dt and view.shape == (2, 8) and not view.flags.writeable
+        index = x.sharding.devices_indices_map(x.shape)[DEVS[dev_id]]
+        assert view.tobytes() == truth[index].tobytes()
+        if dtype != "int4":  # (JAX's conversion copies an int4 shard, either way)
+            assert view.ctypes.data == buf.unsafe_buffer_pointer()  # no copy
+    buf.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        _compat.host_view(buf)
+
+
 @pytest.mark.parametrize("memory_kind", ["device", "pinned_host"])
 def test_assemble_and_reshard_same_result(private, memory_kind):
     src = NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P("a"))

@@ -275,7 +275,7 @@ def run_host(
     on_cpu = bool(sources) and _compat.platform_of(sources[0]) == "cpu"  # (one plan, one)
     pjrt = not on_cpu if PJRT_WHOLE_SHARDS is None else PJRT_WHOLE_SHARDS
     # A host view of a shard: on CPU the buffer itself (``_compat.host_view``).
-    host_view = np.asarray if on_cpu else _compat.host_view
+    host_view = _compat.cpu_view if on_cpu else _compat.host_view
 
     def by_pjrt(job: LeafJob, di: int) -> bool:
         return bool(pjrt and di in job.whole and job.nbytes[di])
