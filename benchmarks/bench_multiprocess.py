@@ -25,7 +25,9 @@ making around them. A last line times the fastest floor again, side by side with
 the same floor while the receiving process does the relayout's copies alone, with the
 executor's own copy routine (``copy_into``: the C extension where it is built, else
 numpy), the column blocks of every matrix, at once, on the executor's copy threads: the
-least any relayout that copies each byte once adds on this machine. Times are
+least any relayout that copies each byte once adds on this machine. A CPU line sums
+both processes' CPU time per call (every thread, ``getrusage``): where the processes
+keep every core busy, as on a 2-core machine, the time follows it. Times are
 medians of several runs in one launch, every method timed once per round in turn, each
 reshard on new array objects over the same buffers (``fresh_arrays``: as after a
 training step, nothing cached on the arrays by an earlier call is reused); the ratio
@@ -93,14 +95,20 @@ def _sync() -> None:
     multihost_utils.sync_global_devices("bench")
 
 
-def _time(fns: dict[str, tuple[Any, Any]], reps: int) -> dict[str, list[float]]:
+def _time(
+    fns: dict[str, tuple[Any, Any]], reps: int, cpu: dict[str, list[float]] | None = None
+) -> dict[str, list[float]]:
     """Seconds per call of each ``(function, tree)``, interleaved: every rep times each
     function once, so a change in machine load hits all of them alike (this machine is
     shared). The order rotates from rep to rep, so no function always runs after the
     same one (what ran before decides, for one, how much of the memory a run gets is
     warm). A function with a tree gets it as new array objects each time, made before
     the clock starts (``fresh_arrays``: as after a training step, nothing cached on the
-    arrays by an earlier call is reused); one without is called with no argument."""
+    arrays by an earlier call is reused); one without is called with no argument.
+    With ``cpu``, also this process's CPU seconds per call (user and system, every
+    thread: ``getrusage``), by function name."""
+    import resource
+
     import jax
 
     from reshard._timing import fresh_arrays
@@ -114,10 +122,15 @@ def _time(fns: dict[str, tuple[Any, Any]], reps: int) -> dict[str, list[float]]:
             fn, tree = fns[name]
             arg = None if tree is None else fresh_arrays(tree)
             _sync()
+            u0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             out = fn() if arg is None else fn(arg)
             jax.block_until_ready(out)
             times[name].append(time.perf_counter() - t0)
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            if cpu is not None:
+                used = u1.ru_utime - u0.ru_utime + u1.ru_stime - u0.ru_stime
+                cpu.setdefault(name, []).append(used)
             del out, arg
     return times
 
@@ -257,7 +270,8 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
     # the same rounds as theirs (an unbiased floor), as well as with the fastest row.
     calibration = _time({str(c): (floor_fns[c], None) for c in FLOOR_CHUNKS}, reps)
     chosen = _agreed_fastest({c: statistics.median(calibration[str(c)]) for c in FLOOR_CHUNKS})
-    times = _time(fns, reps)
+    cpu: dict[str, list[float]] = {}
+    times = _time(fns, reps, cpu)
     reshard_t = times.pop("reshard")
     same_t = times.pop("same")
     own = {"relayout": times.pop("own"), "same": times.pop("same own")}
@@ -286,6 +300,7 @@ def worker(full: bool, reps: int) -> dict[str, Any]:
         "same_s": same_t,
         "own_s": own,
         "cut_s": with_cut,
+        "cpu_s": cpu,
         "cut_chunks": best,
         "chosen_chunks": chosen,
     }
@@ -417,6 +432,19 @@ def _table(
     print(
         f"floor = the chunking chosen in earlier rounds ({v[0]['chosen_chunks']} chunks): "
         f"relayout {ours / chosen:.2f}x, same layout {same / chosen:.2f}x"
+    )
+
+    # CPU: per rep, both processes' CPU seconds summed, then the median over reps.
+    def cpu_of(name: str) -> float:
+        series = [x["cpu_s"][name] for x in v]
+        return statistics.median(sum(ts) for ts in zip(*series, strict=True))
+
+    floor_chunks = min(floors, key=lambda c: floors[c])
+    cpu_floor = cpu_of(str(floor_chunks))
+    print(
+        f"CPU per call, both processes (core-ms): fastest floor row {cpu_floor * 1e3:.0f}, "
+        f"relayout {cpu_of('reshard') * 1e3:.0f} ({cpu_of('reshard') / cpu_floor:.2f}x), "
+        f"same layout {cpu_of('same') * 1e3:.0f} ({cpu_of('same') / cpu_floor:.2f}x)"
     )
     print("target: reshard within 1.5x of the floor")
     cut = median_of_max("cut_s", "cut") / median_of_max("cut_s", "floor")

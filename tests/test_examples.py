@@ -48,6 +48,14 @@ def test_multiprocess_benchmark_prints_its_table():
     assert "its own chunks, nothing else" in rows, res.stdout
     assert "target: reshard within 1.5x" in res.stdout
     assert "the least a relayout adds: the fastest row's floor" in res.stdout
+    # Both processes' CPU per call: each figure a positive count of core-ms.
+    cpu = re.search(
+        r"CPU per call, both processes \(core-ms\): fastest floor row (\d+), relayout (\d+) "
+        r"\(([0-9.]+)x\), same layout (\d+) \(([0-9.]+)x\)",
+        res.stdout,
+    )
+    assert cpu is not None, res.stdout
+    assert all(float(g) > 0 for g in cpu.groups()), res.stdout
     # Both floors give a ratio: the fastest row (strict) and the chunking chosen in
     # rounds of its own (unbiased), which can be no faster than that row.
     ratios = re.findall(r"floor = (?:fastest|the chunking).*?relayout ([0-9.]+)x", res.stdout)
