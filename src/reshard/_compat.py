@@ -483,8 +483,8 @@ def host_view(x: jax.Array) -> np.ndarray:
     On CPU, numpy's own types come through the buffer protocol (~4 us); for the types
     it does not know (bfloat16, the float8s, int4: ``ml_dtypes``, kind ``V``), which the
     buffer protocol cannot describe, ``np.asarray`` takes JAX's ``__array__``, whose
-    Python layers took 20-130 us per bfloat16 shard here, so this calls the conversion
-    they end in directly (~10 us; read-only, as there). A relayout of a model across
+    Python layers took 13-130 us per bfloat16 shard here, so this calls the conversion
+    they end in directly (~8 us; read-only, as there). A relayout of a model across
     processes takes hundreds of such views per call."""
     if platform_of(x) == "cpu":
         return cpu_view(x)
