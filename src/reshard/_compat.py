@@ -45,6 +45,9 @@ _ALWAYS_COPY: Any = _private("jax._src.lib", "xla_client.ArrayCopySemantics.ALWA
 _backends_are_initialized: Any = _private("jax._src.xla_bridge", "backends_are_initialized")
 _explicit_put_scope: Any = _private("jax._src.config", "explicit_device_put_scope")
 _is_default_layout: Any = _private("jax._src.interpreters.pxla", "is_default_layout")
+# A single-device array's own conversion to numpy (waiting for its data; no copy on
+# CPU), where ``np.asarray`` ends up: (array, whether it copied).
+_to_numpy: Any = _private("jax._src.array", "ArrayImpl._single_device_array_to_np_array_did_copy")
 
 _distributed_state: Any = _private("jax._src.distributed", "global_state")
 
@@ -492,23 +495,19 @@ def host_view(x: jax.Array) -> np.ndarray:
 
 
 def cpu_view(x: jax.Array) -> np.ndarray:
-    """``host_view`` of a single-device array known to be on a CPU device."""
-    if x.dtype.kind == "V":
-        to_numpy = _to_numpy(x)
-        if to_numpy is not None:
-            view: np.ndarray = to_numpy()[0]
-            view.flags.writeable = False
-            return view
+    """``host_view`` of a single-device array known to be on a CPU device. (A deleted
+    array goes to ``np.asarray``, which raises JAX's error.)"""
+    if (
+        x.dtype.kind == "V"
+        and USE_PRIVATE
+        and _to_numpy is not None
+        and type(x) is _ArrayImpl
+        and not x.is_deleted()
+    ):
+        view: np.ndarray = _to_numpy(x)[0]
+        view.flags.writeable = False
+        return view
     return np.asarray(x)
-
-
-def _to_numpy(x: jax.Array) -> Any:
-    """``x``'s own conversion to a numpy array (waiting for its data; no copy on CPU),
-    as ``np.asarray`` reaches it for a single-device array, or ``None`` without the
-    internals (or where ``x`` is deleted: ``np.asarray`` then raises JAX's error)."""
-    if not USE_PRIVATE or type(x) is not _ArrayImpl or x.is_deleted():
-        return None
-    return getattr(x, "_single_device_array_to_np_array_did_copy", None)
 
 
 def place_host_buffers(
