@@ -936,6 +936,87 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             executor = "collective" if len(processes) > 1 else "host"
             move(_ground_truth(shape, dtype, case), src, dst, executor)
 
+    def random_trees() -> None:
+        # The options together, seeded like random_cases: a pytree of 1-4 random
+        # arrays (some moving within one process, some across) with a PRNG-key array
+        # and a Python scalar, through reshard.reshard or plan().execute, cached or
+        # not, called once or twice, donating or not, with any may_alias, and now and
+        # then avoiding devices that no destination uses (DataLossError, raised by
+        # every process, exactly where some box then has no copy left).
+        # RESHARD_TEST_RANDOM_TREES draws more of them.
+        rng = np.random.default_rng(int(os.environ.get("RESHARD_TEST_RANDOM_SEED", "2026")) + 1)
+        dtypes = [np.float32, jnp.bfloat16, np.int8, np.bool_, jnp.int4, np.complex64]
+        kinds = [None, "device", "pinned_host"]
+        keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), 2 * n)))
+        for case in range(int(os.environ.get("RESHARD_TEST_RANDOM_TREES", "3"))):
+            hosts, srcs, dsts = {}, {}, {}
+            for i in range(int(rng.integers(1, 5))):
+                k = f"a{i}"
+                ndim = int(rng.choice([0, 1, 2, 2, 3]))
+                layouts = [_random_layout(rng, n, ndim) for _ in range(2)]
+                shape = tuple(
+                    math.lcm(a, b) * int(rng.integers(1, 4))
+                    for a, b in zip(layouts[0][3], layouts[1][3], strict=True)
+                )
+                dtype = dtypes[int(rng.integers(len(dtypes)))]
+                srcs[k], dsts[k] = (
+                    ns(devs[pos], names, P(*entries), kinds[int(rng.integers(len(kinds)))])
+                    for pos, names, entries, _ in layouts
+                )
+                hosts[k] = _ground_truth(shape, dtype, 100 + 10 * case + i)
+            donate, cache, twice, via_plan = (bool(rng.integers(2)) for _ in range(4))
+            may_alias = [None, True, False][int(rng.integers(3))]
+            avoid: list[Any] = []
+            used = {d for s in dsts.values() for d in s.device_set}
+            free = [d for d in devs if d not in used]
+            if free and rng.integers(3) == 0:
+                avoid = list(rng.choice(free, int(rng.integers(1, len(free) + 1)), replace=False))
+            # The ground truth of a loss: some source box has no holder left.
+            lost = False
+            for k, h in hosts.items():
+                held: dict[Any, bool] = {}
+                for d, idx in srcs[k].devices_indices_map(h.shape).items():
+                    box = tuple((s.start, s.stop) for s in idx)
+                    held[box] = held.get(box, False) or d not in avoid
+                lost |= h.size > 0 and not all(held.values())
+            mesh = next(iter(dsts.values())).mesh
+            replicated = ns(mesh.devices, mesh.axis_names, P())
+            targets = {**dsts, "key": replicated, "py": replicated}
+            for _ in range(1 + twice):
+                x: dict[Any, Any] = {k: make(h, srcs[k]) for k, h in hosts.items()}
+                x["key"] = jax.random.wrap_key_data(make(keys, ns(devs, ("k",), P())))
+                x["py"] = 3
+                try:
+                    if via_plan:
+                        p = reshard.plan(x, targets, cache=cache, avoid_devices=avoid)
+                        y = p.execute(x, donate=donate, may_alias=may_alias)
+                    else:
+                        y = reshard.reshard(
+                            x,
+                            targets,
+                            donate=donate,
+                            may_alias=may_alias,
+                            cache_resharding_plans=cache,
+                            avoid_devices=avoid,
+                        )
+                except reshard.DataLossError:
+                    if not lost:
+                        MISMATCHES.append(f"case {case}: DataLossError, but nothing is lost")
+                    for k, h in hosts.items():
+                        check(x[k], h, srcs[k])  # the inputs are intact
+                    continue
+                if lost:
+                    MISMATCHES.append(f"case {case}: a loss that raised no DataLossError")
+                for k, h in hosts.items():
+                    check(y[k], h, dsts[k])
+                    if donate:
+                        if not x[k].is_deleted():
+                            MISMATCHES.append(f"case {case}: donated leaf {k} not deleted")
+                    else:
+                        check(x[k], h, srcs[k])
+                check(y["key"], keys, replicated)
+                check(y["py"], np.asarray(3, np.int32), replicated)
+
     host_only = (
         a_process_failing_mid_reshard_fails_every_process,
         a_process_failing_after_the_transfer_fails_alone,
@@ -974,6 +1055,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             a_call_failing_on_one_process_is_not_paired_with_its_next,
             calls_in_another_order_raise_on_every_process,
             random_cases,
+            random_trees,
         )
     }
 
@@ -1205,6 +1287,7 @@ SCENARIOS = [
     "a_call_failing_on_one_process_is_not_paired_with_its_next",
     "calls_in_another_order_raise_on_every_process",
     "random_cases",
+    "random_trees",
 ]
 # Failures part-way through: the host-packed schedule's filler stages and status.
 HOST_SCENARIOS = [
