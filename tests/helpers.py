@@ -187,6 +187,16 @@ def lower_bound_by_masks(shape: tuple[int, ...], itemsize: int, src: Any, dst: A
     return total * itemsize
 
 
+def surviving_mask(shape: tuple[int, ...], sharding: Any, lost: Any) -> np.ndarray:
+    """The elements of an array of ``shape`` that some device of ``sharding`` outside
+    ``lost`` (device ids) holds: where ``False``, the data is lost."""
+    mask = np.zeros(shape, dtype=bool)
+    for d, index in sharding.devices_indices_map(shape).items():
+        if d.id not in lost:
+            mask[index] = True
+    return mask
+
+
 def failing_identity_after(monkeypatch: Any, ran: list[int]) -> Any:
     """Donating identities that run once, then raise (out of memory, as the copy of
     a buffer XLA does not own can); ``ran`` gets each run's array count. Returns the

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import surviving_mask
 from hypothesis import event, given
 from hypothesis import strategies as st
 from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
@@ -325,14 +326,6 @@ def make_leaf(value: np.ndarray, sharding: NamedSharding, lost: set[int]) -> jax
 
 def shard_bytes(x: jax.Array) -> dict[int, bytes]:
     return {s.device.id: np.asarray(s.data).tobytes() for s in x.addressable_shards}
-
-
-def surviving_mask(shape, sharding, lost) -> np.ndarray:
-    mask = np.zeros(shape, dtype=bool)
-    for d, index in sharding.devices_indices_map(shape).items():
-        if d.id not in lost:
-            mask[index] = True
-    return mask
 
 
 @given(recovery_cases())

@@ -35,7 +35,12 @@ from reshard._launch import launch_local
 # The launched processes load this file by its path, with this directory not on their
 # import path: add it, for the shared helpers (pytest has added it already here).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import as_bits, lossy_bf16_to_bits, random_values  # noqa: E402
+from helpers import (  # noqa: E402
+    as_bits,
+    lossy_bf16_to_bits,
+    random_values,
+    surviving_mask,
+)
 
 HERE = f"{__file__}"
 MISMATCHES: list[str] = []  # failed checks of the running scenario (in a child)
@@ -972,14 +977,9 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             free = [d for d in devs if d not in used]
             if free and rng.integers(3) == 0:
                 avoid = list(rng.choice(free, int(rng.integers(1, len(free) + 1)), replace=False))
-            # The ground truth of a loss: some source box has no holder left.
-            lost = False
-            for k, h in hosts.items():
-                held: dict[Any, bool] = {}
-                for d, idx in srcs[k].devices_indices_map(h.shape).items():
-                    box = tuple((s.start, s.stop) for s in idx)
-                    held[box] = held.get(box, False) or d not in avoid
-                lost |= h.size > 0 and not all(held.values())
+            # The ground truth of a loss: some element has no holder left.
+            gone = {d.id for d in avoid}
+            lost = any(not surviving_mask(h.shape, srcs[k], gone).all() for k, h in hosts.items())
             mesh = next(iter(dsts.values())).mesh
             replicated = ns(mesh.devices, mesh.axis_names, P())
             targets = {**dsts, "key": replicated, "py": replicated}
