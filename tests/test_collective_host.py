@@ -459,3 +459,62 @@ def test_shards_that_arrive_whole_are_sent_whole_from_a_lower_size() -> None:
         mp.setattr(host, "WHOLE_ARRIVING_BYTES", 2048)
         sched = host.HostSchedule(copies, blocks, [2, 2], process, 1)
         assert not any(ch.whole for ch in sched.chunks) and not sched.arrive_whole
+
+
+def test_fingerprint_is_by_value_alone() -> None:
+    """Equal values made of distinct objects (as two processes hold them) get one
+    fingerprint; any change, deep in a tuple or of a type, another one."""
+    from reshard._collective_executor import fingerprint
+
+    def pair(x: int, y: int) -> tuple[int, int]:
+        return tuple([x, y])  # (a new object each time: constants would be shared)
+
+    def value(last: int, flag: bool | int = True) -> tuple:
+        rows = [(0, 1, 4, pair(4096, 256), pair(0, 0), pair(0, last))]
+        return ([0, 1, 2], rows, ["bfloat16", "float32"], (flag, False), None, "pinned_host")
+
+    a = value(7)
+    shared = pair(0, 0)  # one object referred to twice, where the other value has two
+    b = (a[0], [(*a[1][0][:4], shared, pair(0, 7))], *a[2:])
+    c = (a[0], [(*a[1][0][:4], shared, shared)], *a[2:])
+    assert b[1][0][4] is not a[1][0][4] and c[1][0][4] is c[1][0][5]
+    assert fingerprint(a) == fingerprint(b) == fingerprint(value(7))
+    assert fingerprint(c) == fingerprint(value(0))
+    assert len({fingerprint(value(7)), fingerprint(value(8)), fingerprint(value(7, 1))}) == 3
+    # What marshal cannot write is written by repr, still by value.
+    assert fingerprint([np.int64(3)]) == fingerprint([np.int64(3)]) != fingerprint([3])
+
+
+def test_a_program_fingerprints_by_marshal_the_same_for_equal_plans(monkeypatch) -> None:
+    """The fingerprint that processes compare is made from plain values (marshal, not
+    its slower fallback): equal for two plans of one move built apart, different for
+    another move."""
+    import marshal
+
+    from reshard import _collective_executor as ce
+
+    seen: list = []
+    real = ce.fingerprint
+
+    def spy(what):
+        seen.append(what)
+        return real(what)
+
+    monkeypatch.setattr(ce, "fingerprint", spy)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # (only to build a fingerprint)
+
+    def program(dst_index: int) -> bytes:
+        leaves = fsdp_to_tp()
+        xs = [jax.ShapeDtypeStruct(shape, dt, sharding=s) for s, _, shape, dt in leaves]
+        dsts = [(d, s)[dst_index] for s, d, _, _ in leaves]
+        p = reshard.plan(xs, dsts, executor="collective", cache=False)
+        dtypes = [np.dtype(dt) for _, _, _, dt in leaves]
+        return ce.CollectiveProgram(
+            p.leaf_plans, dtypes, alias=[False] * len(dtypes), pack_on_host=True
+        ).fingerprint
+
+    first, again, other = program(0), program(0), program(1)
+    assert len(seen) == 3
+    for what in seen:
+        marshal.dumps(what, 2)  # raises ValueError where the fallback would be taken
+    assert first == again != other and len(first) == 16

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import marshal
 import math
 import os
 import sys
@@ -207,7 +208,7 @@ class CollectiveProgram:
         if jax.process_count() > 1:
             what = (
                 ids,
-                self.leaves,
+                [(lf.src_block, lf.dst_block, lf.scalar) for lf in self.leaves],
                 copies,
                 [str(d) for d in self.dtypes],
                 alias,
@@ -215,7 +216,7 @@ class CollectiveProgram:
                 host_packed.settings() if pack_on_host else group_bytes,
                 described,
             )
-            self.fingerprint = hashlib.sha256(repr(what).encode()).digest()[:16]
+            self.fingerprint = fingerprint(what)
         # Destination position -> source position whose buffer is handed over as it is.
         self.reused: list[dict[int, int]] = [
             {
@@ -482,6 +483,22 @@ def agree(program: CollectiveProgram) -> None:
             "order of calls, with the same reshard settings (such as the sizes in "
             "reshard._collective_host and _collective_device)"
         )
+
+
+def fingerprint(what: Any) -> bytes:
+    """16 bytes that tell apart different values of ``what`` (nested tuples and lists of
+    ints, strings, bools and None), the same in every process for equal values.
+
+    ``marshal`` at version 2 writes such values by value alone (later versions refer
+    back to objects already written, by identity, which equal values in two processes
+    need not share), ~7x faster than ``repr``: ~0.4 against ~2.8 ms on the 288 MiB
+    benchmark's relayout, whose uncached calls build it at every call. A value it
+    cannot write (a numpy scalar, say) is written by ``repr``, marked apart."""
+    try:
+        data = b"m" + marshal.dumps(what, 2)
+    except ValueError:
+        data = b"r" + repr(what).encode()
+    return hashlib.sha256(data).digest()[:16]
 
 
 _AGREE_KEY = "reshard/agree"
