@@ -1189,3 +1189,47 @@ def test_arrays_placed_by_jax_device_put_are_copies_too():
     np.testing.assert_array_equal(jax.random.key_data(y), jax.random.key_data(k))
     z = reshard.reshard(k, s, may_alias=True)
     assert pointers(jax.random.key_data(z)) == pointers(jax.random.key_data(k))
+
+
+@pytest.mark.parametrize("executor", ["host", "device"])
+def test_uncached_plans_share_their_jobs_by_geometry(monkeypatch, executor):
+    # A plan built anew for each call (uncached, the default) takes its per-array jobs
+    # (copies and copy tables) from equal plans before it, by geometry, pieces and the
+    # copy settings; each job still names its own plan's leaf. The store is bounded,
+    # and clear_plan_cache empties it.
+    from reshard import _execute, _programs
+
+    reshard.clear_plan_cache()
+    src = sharding([0, 1, 2, 3])
+    dst = NamedSharding(Mesh(np.array(DEVS[4:8]).reshape(2, 2), ("x", "y")), P("y", "x"))
+    truths = [
+        np.arange(256.0 * k, 256.0 * (k + 1), dtype=np.float32).reshape(16, 16) for k in range(3)
+    ]
+    xs = [place(t, src) for t in truths]
+    plans = []
+    for x, t in zip(xs, truths, strict=True):
+        p = reshard.plan(x, dst, executor=executor, cache=False)
+        check_result(p.execute(x), t, dst)
+        plans.append(p)
+    (a,), (b,), (c,) = (_execute._jobs(p) for p in plans)
+    assert plans[0] is not plans[1] and a.plan is plans[0].leaf_plans[0]
+    assert b.plan is plans[1].leaf_plans[0] and b.plan is not a.plan
+    assert b.copies is a.copies and b.tables is a.tables and c.dst_of is a.dst_of
+    # Another copy setting makes other copies: a job of its own.
+    monkeypatch.setattr(_buffers, "ROW_ITEM_BYTES", _buffers.ROW_ITEM_BYTES + 1)
+    p = reshard.plan(xs[0], dst, executor=executor, cache=False)
+    check_result(p.execute(xs[0]), truths[0], dst)
+    assert _execute._jobs(p)[0].copies is not a.copies
+    # Another dtype too.
+    y = place(truths[1].astype(np.int32), src)
+    q = reshard.plan(y, dst, executor=executor, cache=False)
+    check_result(q.execute(y), truths[1].astype(np.int32), dst)
+    assert _execute._jobs(q)[0].copies is not a.copies
+    # Bounded; emptied with the plan cache.
+    monkeypatch.setattr(_programs, "JOB_CACHE_SIZE", 2)
+    for n in range(2, 6):
+        z = place(np.zeros((16 * n, 16), np.float32), src)
+        reshard.plan(z, dst, executor=executor, cache=False).execute(z)
+        assert len(_programs._jobs) <= 2
+    reshard.clear_plan_cache()
+    assert not _programs._jobs

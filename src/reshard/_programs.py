@@ -16,6 +16,10 @@ its own, and never compiles them again.
 The host-packed collective executor keeps its schedules here too (one entry each,
 keyed by the program's fingerprint): what it packs, sends and unpacks per stage, with
 its copy tables, which an uncached plan would otherwise build again at every call.
+
+The local executors' per-array jobs (``_local_executor.LeafJob``: the copies and copy
+tables of one geometry) are shared the same way, in a store of their own
+(``shared_job``), so that a model of many shapes cannot push compiled programs out.
 """
 
 from __future__ import annotations
@@ -45,10 +49,31 @@ def shared(key: Hashable, build: Callable[[], Any]) -> Any:
     return fn
 
 
+# Jobs are host data: a few KiB for a model's arrays on 8 devices, ~64 B per piece.
+JOB_CACHE_SIZE = 512
+_jobs: OrderedDict[Hashable, Any] = OrderedDict()
+
+
+def shared_job(key: Hashable, build: Callable[[], Any]) -> Any:
+    """As ``shared``, in the store of the local executors' jobs."""
+    with _lock:
+        job = _jobs.get(key)
+        if job is not None:
+            _jobs.move_to_end(key)
+            return job
+    job = build()
+    with _lock:
+        _jobs[key] = job
+        while len(_jobs) > JOB_CACHE_SIZE:
+            _jobs.popitem(last=False)
+    return job
+
+
 def clear() -> None:
-    """Empties the cache."""
+    """Empties the cache (and the store of jobs)."""
     with _lock:
         _programs.clear()
+        _jobs.clear()
 
 
 def size() -> int:
