@@ -36,17 +36,7 @@ _lock = threading.Lock()
 
 def shared(key: Hashable, build: Callable[[], Any]) -> Any:
     """The entry for ``key`` from the cache, else ``build()``'s (then cached)."""
-    with _lock:
-        fn = _programs.get(key)
-        if fn is not None:
-            _programs.move_to_end(key)
-            return fn
-    fn = build()
-    with _lock:
-        _programs[key] = fn
-        while len(_programs) > PROGRAM_CACHE_SIZE:
-            _programs.popitem(last=False)
-    return fn
+    return _entry(_programs, PROGRAM_CACHE_SIZE, key, build)
 
 
 # Jobs are host data: a few KiB for a model's arrays on 8 devices, ~64 B per piece.
@@ -56,17 +46,24 @@ _jobs: OrderedDict[Hashable, Any] = OrderedDict()
 
 def shared_job(key: Hashable, build: Callable[[], Any]) -> Any:
     """As ``shared``, in the store of the local executors' jobs."""
+    return _entry(_jobs, JOB_CACHE_SIZE, key, build)
+
+
+def _entry(
+    store: OrderedDict[Hashable, Any], bound: int, key: Hashable, build: Callable[[], Any]
+) -> Any:
+    """``store``'s entry for ``key``, else ``build()``'s, kept among the last ``bound``."""
     with _lock:
-        job = _jobs.get(key)
-        if job is not None:
-            _jobs.move_to_end(key)
-            return job
-    job = build()
+        found = store.get(key)
+        if found is not None:
+            store.move_to_end(key)
+            return found
+    made = build()
     with _lock:
-        _jobs[key] = job
-        while len(_jobs) > JOB_CACHE_SIZE:
-            _jobs.popitem(last=False)
-    return job
+        store[key] = made
+        while len(store) > bound:
+            store.popitem(last=False)
+    return made
 
 
 def clear() -> None:
