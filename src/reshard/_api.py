@@ -122,7 +122,7 @@ def reshard(
         processes, build their schedule and check it with the others again: ~10%
         of a 288 MiB relayout there). Compiled programs are shared by equal plans
         either way (the last 256, each freed when dropped), so calls do not compile
-        again even without it.
+        again even without it; so are the copy tables of each array geometry.
       executor: ``"auto"`` (default), ``"host"`` (CPU only), ``"device"`` or
         ``"collective"``; see ``reshard.plan``.
       avoid_devices: devices (or ids) whose source shards must not be read, e.g. lost
