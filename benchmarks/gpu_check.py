@@ -2,7 +2,7 @@
 
 Run on a machine with a GPU or TPU, one process, from the repository root:
 
-    PYTHONPATH=src python benchmarks/gpu_check.py      # ~2 minutes on one TPU v5e chip
+    PYTHONPATH=src:$PYTHONPATH python benchmarks/gpu_check.py   # ~4 minutes on one TPU v5e chip
 
 Its results on a TPU v5e (one chip, 2026-12-05) are in docs/accelerators.md.
 
