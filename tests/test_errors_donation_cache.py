@@ -1225,11 +1225,34 @@ def test_uncached_plans_share_their_jobs_by_geometry(monkeypatch, executor):
     q = reshard.plan(y, dst, executor=executor, cache=False)
     check_result(q.execute(y), truths[1].astype(np.int32), dst)
     assert _execute._jobs(q)[0].copies is not a.copies
-    # Bounded; emptied with the plan cache.
+
+    # Bounded by count, and by pieces in all; emptied with the plan cache.
+    def fill(sizes):
+        for n in sizes:
+            z = place(np.arange(256.0 * n, dtype=np.float32).reshape(16 * n, 16), src)
+            check_result(
+                reshard.plan(z, dst, executor=executor, cache=False).execute(z), np.asarray(z), dst
+            )
+
     monkeypatch.setattr(_programs, "JOB_CACHE_SIZE", 2)
-    for n in range(2, 6):
-        z = place(np.zeros((16 * n, 16), np.float32), src)
-        reshard.plan(z, dst, executor=executor, cache=False).execute(z)
-        assert len(_programs._jobs) <= 2
+    fill(range(2, 6))
+    assert len(_programs._jobs) == 2
+    pieces = sum(map(len, a.copies))  # every job here has as many
+    assert _programs._jobs.total == 2 * pieces
+    monkeypatch.setattr(_programs, "JOB_CACHE_SIZE", 100)
+    monkeypatch.setattr(_programs, "JOB_CACHE_PIECES", 3 * pieces)
+    fill(range(6, 11))
+    assert len(_programs._jobs) == 3 and _programs._jobs.total == 3 * pieces
     reshard.clear_plan_cache()
+    assert not _programs._jobs and _programs._jobs.total == 0
+    monkeypatch.setattr(_programs, "JOB_CACHE_PIECES", pieces - 1)  # one job is over it
+    fill([2])
     assert not _programs._jobs
+    # An entry over the budget alone is not kept, and pushes nothing out.
+    store = _programs._Store(len)
+    assert store.entry("a", lambda: "aa", 10, 5) == "aa"
+    assert store.entry("b", lambda: "bbb", 10, 5) == "bbb"
+    assert store.entry("c", lambda: "c" * 6, 10, 5) == "cccccc"
+    assert list(store) == ["a", "b"] and store.total == 5
+    store.entry("d", lambda: "d", 10, 5)  # least recently used out to fit
+    assert list(store) == ["b", "d"] and store.total == 4

@@ -29,41 +29,64 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-PROGRAM_CACHE_SIZE = 256
-_programs: OrderedDict[Hashable, Any] = OrderedDict()
+
+class _Store(OrderedDict[Hashable, Any]):
+    """Entries by key, least recently used out: at most a count of them and, where
+    ``weigh`` gives each a weight, at most a budget of weight in all."""
+
+    def __init__(self, weigh: Callable[[Any], int] | None = None) -> None:
+        super().__init__()
+        self.weigh = weigh
+        self.total = 0  # the weight of every entry, where weighed
+
+    def entry(
+        self, key: Hashable, build: Callable[[], Any], bound: int, budget: int | None = None
+    ) -> Any:
+        """The entry for ``key``, else ``build()``'s, kept if it fits."""
+        with _lock:
+            found = self.get(key)
+            if found is not None:
+                self.move_to_end(key)
+                return found
+        made = build()
+        weight = self.weigh(made) if self.weigh is not None else 0
+        if budget is not None and weight > budget:
+            return made  # (it would push everything else out, and not fit either)
+        with _lock:
+            if key not in self:
+                self[key] = made
+                self.total += weight
+            while len(self) > bound or (budget is not None and self.total > budget):
+                _, dropped = self.popitem(last=False)
+                self.total -= self.weigh(dropped) if self.weigh is not None else 0
+        return made
+
+    def clear(self) -> None:
+        super().clear()
+        self.total = 0
+
+
 _lock = threading.Lock()
+PROGRAM_CACHE_SIZE = 256
+_programs = _Store()
 
 
 def shared(key: Hashable, build: Callable[[], Any]) -> Any:
     """The entry for ``key`` from the cache, else ``build()``'s (then cached)."""
-    return _entry(_programs, PROGRAM_CACHE_SIZE, key, build)
+    return _programs.entry(key, build, PROGRAM_CACHE_SIZE)
 
 
-# Jobs are host data: a few KiB for a model's arrays on 8 devices, ~64 B per piece.
+# Jobs are host data, ~1 KiB per piece (17 KB for a 16-piece array on 8 devices, by
+# tracemalloc): bounded by count and by pieces, so that a few arrays of thousands of
+# pieces each (large meshes) cannot hold much memory.
 JOB_CACHE_SIZE = 512
-_jobs: OrderedDict[Hashable, Any] = OrderedDict()
+JOB_CACHE_PIECES = 1 << 16
+_jobs = _Store(lambda job: sum(map(len, job.copies)))
 
 
 def shared_job(key: Hashable, build: Callable[[], Any]) -> Any:
-    """As ``shared``, in the store of the local executors' jobs."""
-    return _entry(_jobs, JOB_CACHE_SIZE, key, build)
-
-
-def _entry(
-    store: OrderedDict[Hashable, Any], bound: int, key: Hashable, build: Callable[[], Any]
-) -> Any:
-    """``store``'s entry for ``key``, else ``build()``'s, kept among the last ``bound``."""
-    with _lock:
-        found = store.get(key)
-        if found is not None:
-            store.move_to_end(key)
-            return found
-    made = build()
-    with _lock:
-        store[key] = made
-        while len(store) > bound:
-            store.popitem(last=False)
-    return made
+    """As ``shared``, in the store of the local executors' jobs (``LeafJob``)."""
+    return _jobs.entry(key, build, JOB_CACHE_SIZE, JOB_CACHE_PIECES)
 
 
 def clear() -> None:
