@@ -509,8 +509,17 @@ def test_a_program_fingerprints_by_marshal_the_same_for_equal_plans(monkeypatch)
         dsts = [(d, s)[dst_index] for s, d, _, _ in leaves]
         p = reshard.plan(xs, dsts, executor="collective", cache=False)
         dtypes = [np.dtype(dt) for _, _, _, dt in leaves]
+        described = (  # as run_collective describes a call
+            [(leaf.kind, str(leaf.dtype)) for leaf in p.planned_leaves],
+            [x.sharding.memory_kind for x in xs],
+            [d.memory_kind for d in dsts],
+        )
         return ce.CollectiveProgram(
-            p.leaf_plans, dtypes, alias=[False] * len(dtypes), pack_on_host=True
+            p.leaf_plans,
+            dtypes,
+            alias=[False] * len(dtypes),
+            pack_on_host=True,
+            described=described,
         ).fingerprint
 
     first, again, other = program(0), program(0), program(1)
