@@ -99,6 +99,11 @@ def _random_layout(
     return chosen.reshape(shape), names, entries, cuts
 
 
+def _random_seed() -> int:
+    """The seed of the random scenarios (``RESHARD_TEST_RANDOM_SEED``)."""
+    return int(os.environ.get("RESHARD_TEST_RANDOM_SEED", "2026"))
+
+
 def _scenarios() -> dict[str, Callable[[], None]]:
     import jax
     import jax.numpy as jnp
@@ -911,7 +916,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         # of every process, meshes, specs, shapes, element types and memory kinds.
         # RESHARD_TEST_RANDOM_CASES and RESHARD_TEST_RANDOM_SEED draw more or other
         # cases, for a longer search outside the suite.
-        rng = np.random.default_rng(int(os.environ.get("RESHARD_TEST_RANDOM_SEED", "2026")))
+        rng = np.random.default_rng(_random_seed())
         dtypes = [
             np.float32,
             jnp.bfloat16,
@@ -950,7 +955,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         # every process, exactly where some box then has no copy left). The default 5
         # on 8 devices include both: avoided devices with and without a loss.
         # RESHARD_TEST_RANDOM_TREES draws more of them.
-        rng = np.random.default_rng(int(os.environ.get("RESHARD_TEST_RANDOM_SEED", "2026")) + 1)
+        rng = np.random.default_rng(_random_seed() + 1)
         dtypes = [np.float32, jnp.bfloat16, np.int8, np.bool_, jnp.int4, np.complex64]
         kinds = [None, "device", "pinned_host"]
         keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), 2 * n)))
