@@ -527,3 +527,64 @@ def test_a_program_fingerprints_by_marshal_the_same_for_equal_plans(monkeypatch)
     for what in seen:
         marshal.dumps(what, 2)  # raises ValueError where the fallback would be taken
     assert first == again != other and len(first) == 16
+
+
+def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
+    """The checks' keys in the key-value store name the call; a call that fails before
+    its check posts a refusal there (once, and never after its check), which a peer's
+    check of that call raises on, naming the process and its error. A successful check
+    deletes this process's earlier posts. (One process, the store faked; the real one
+    is exercised across processes in test_multiprocess.)"""
+    from reshard import _collective_common as common
+    from reshard import _collective_executor as ce
+
+    class Store:
+        def __init__(self) -> None:
+            self.kv: dict[str, str] = {}
+
+        def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+            assert allow_overwrite or key not in self.kv
+            self.kv[key] = value
+
+        def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+            if key not in self.kv:
+                raise RuntimeError("DEADLINE_EXCEEDED: no such key (a peer that never came)")
+            return self.kv[key]
+
+        def key_value_delete(self, key: str) -> None:
+            self.kv.pop(key, None)
+
+    store = Store()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(ce._compat, "distributed_client", lambda: store)
+    monkeypatch.setattr(ce, "_posted", [])
+    monkeypatch.setattr(ce, "AGREE_WAIT_S", 0.5)  # (a wait: a test failure, not a hang)
+    monkeypatch.setattr(common, "_calls_started", 5)
+
+    ce.refuse_call(ValueError("bad input"))
+    assert store.kv == {"reshard/agree/5/0": "!ValueError: bad input"}
+    ce.refuse_call(TypeError("raised again on the way out"))  # one post per call
+    assert store.kv == {"reshard/agree/5/0": "!ValueError: bad input"}
+
+    common._calls_started = 6  # a check that succeeds: the older post goes
+    store.kv["reshard/agree/6/1"] = b"\x01\x02".hex()
+    assert ce._exchange(store, b"\x01\x02") == {0: b"\x01\x02", 1: b"\x01\x02"}
+    assert store.kv == {"reshard/agree/6/0": "0102", "reshard/agree/6/1": "0102"}
+    ce.refuse_call(ValueError("after its check"))  # its peers may be in collectives
+    assert store.kv["reshard/agree/6/0"] == "0102"
+
+    common._calls_started = 7  # the peer refused this call: raise at once, by name
+    store.kv["reshard/agree/7/1"] = "!ValueError: its own bad input"
+    with pytest.raises(RuntimeError, match=r"process 1 refused this call before moving any "
+                       r"data \(ValueError: its own bad input\)"):  # fmt: skip
+        ce._exchange(store, b"\x03")
+    assert store.kv["reshard/agree/7/0"] == "03"
+
+    common._calls_started = 8  # a peer that never posts: the wait's own error
+    with pytest.raises(RuntimeError, match=r"waited 0.5 s for processes \[1\]"):
+        ce._exchange(store, b"\x04")
+    long = "x" * 5000
+    common._calls_started = 9
+    ce.refuse_call(ValueError(long))  # a long message is cut
+    assert store.kv["reshard/agree/9/0"] == "!" + ("ValueError: " + long)[:2000] + " ..."

@@ -762,9 +762,45 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             assert ahead == {p: int(p == 1) for p in range(jax.process_count())}, counts
         check(x1, a, src)
         check(x2, b, src)
-        # Only for the rest of the suite: bring the counts back in step by hand.
-        _collective_common._calls_started = 1 << 20
+        # Only for the rest of the suite: bring the counts back in step by hand, past
+        # every count used so far (the checks' keys in the store name the call).
+        _collective_common._calls_started = ((_collective_common._calls_started >> 20) + 1) << 20
         check(plan.execute(x2), b, dst)
+
+    def a_call_refused_on_one_process_fails_every_process_at_once() -> None:
+        # Process 1 alone refuses a call (bad input there) that the others make too,
+        # the first run of a plan, so they wait in its check: once while planning, once
+        # in Plan.execute. They waited for a check that never came (30 minutes by
+        # default). Now process 1 posts its refusal where its check would be, and they
+        # raise at once, naming it and its error; every process has started as many
+        # calls, so all stay in step (the next calls work). A fallback to waiting would
+        # raise "waited ..." after AGREE_WAIT_S instead, and fail the checks below.
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        x = make(a, src)
+        narrow = make(np.ascontiguousarray(a[:, : a.shape[1] // 2]), src)
+        wait = _collective_executor.AGREE_WAIT_S
+        _collective_executor.AGREE_WAIT_S = 60.0
+        try:
+            plan = reshard.plan(x, dst, cache=False)  # its first run checks it
+            for call, why in (
+                (lambda: reshard.reshard(x, P(None, "t") if me == 1 else dst),
+                 "Wrap a PartitionSpec in NamedSharding"),
+                (lambda: plan.execute(narrow if me == 1 else x), "the plan was built for"),
+            ):  # fmt: skip
+                try:
+                    call()
+                    raise AssertionError("a call refused on process 1 did not raise")
+                except ValueError as e:
+                    assert me == 1 and why in str(e), e
+                except RuntimeError as e:
+                    assert me != 1, e
+                    assert "process 1 refused this call before moving any data" in str(e), e
+                    assert "(ValueError: " in str(e) and why in str(e), e
+        finally:
+            _collective_executor.AGREE_WAIT_S = wait
+        check(x, a, src)
+        check(reshard.reshard(x, dst), a, dst)
+        check(plan.execute(x), a, dst)
 
     def a_process_failing_mid_reshard_fails_every_process() -> None:
         # Host-packed. One process fails in a middle stage (out of host memory while
@@ -1059,6 +1095,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             different_lost_devices_raise_on_every_process,
             different_arguments_raise_on_every_process,
             a_call_failing_on_one_process_is_not_paired_with_its_next,
+            a_call_refused_on_one_process_fails_every_process_at_once,
             calls_in_another_order_raise_on_every_process,
             random_cases,
             random_trees,
@@ -1291,6 +1328,7 @@ SCENARIOS = [
     "different_lost_devices_raise_on_every_process",
     "different_arguments_raise_on_every_process",
     "a_call_failing_on_one_process_is_not_paired_with_its_next",
+    "a_call_refused_on_one_process_fails_every_process_at_once",
     "calls_in_another_order_raise_on_every_process",
     "random_cases",
     "random_trees",

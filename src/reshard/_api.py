@@ -160,12 +160,14 @@ def reshard(
             avoid_devices=avoid_devices,
             cache=cache_resharding_plans,
         )
-    except BaseException:
+    except BaseException as e:
         if _may_cross_processes(x, sharding):
             _collective_common.count_call()  # a collective call, refused
+            _collective_common.refused(e)  # peers in its check raise too
         raise
     if p.crosses_processes:
-        _collective_common.count_call()  # before anything else can fail
+        with _collective_common.counted_call():  # counted before anything else can fail
+            return execute_plan(p, x, donate=donate, may_alias=may_alias, checked=checked)
     return execute_plan(p, x, donate=donate, may_alias=may_alias, checked=checked)
 
 

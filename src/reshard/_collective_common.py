@@ -10,7 +10,8 @@ of partners any position has, the fewest possible.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,6 +211,32 @@ def count_call() -> None:
     """Counts a call of the public API that may run collectives (as it starts)."""
     global _calls_started
     _calls_started += 1
+
+
+def refused(error: BaseException) -> None:
+    """Tells the other processes that this process's current counted call raised
+    ``error`` (``_collective_executor.refuse_call``)."""
+    from ._collective_executor import refuse_call  # (that module imports this one)
+
+    refuse_call(error)
+
+
+@contextlib.contextmanager
+def counted_call() -> Iterator[None]:
+    """Counts a call that runs collectives as it starts, and tells the other processes
+    if it raises (``refused``)."""
+    count_call()
+    try:
+        yield
+    except BaseException as e:
+        refused(e)
+        raise
+
+
+def calls_started() -> int:
+    """The count of calls ``count_call`` has counted: the current call's number while
+    one runs."""
+    return _calls_started
 
 
 def status_width() -> int:

@@ -51,6 +51,7 @@ from . import _compat, _exact, _programs
 from ._collective_common import (
     AXIS,
     all_copies,
+    calls_started,
     color_edges,
     status_input,
     status_width,
@@ -447,10 +448,12 @@ def agree(program: CollectiveProgram) -> None:
     one small all-gather over one device per process, none of them avoided.) Once per
     program: a program that has agreed is not checked again, so a process that later
     changes its arguments while the others reuse the program leaves them waiting in its
-    collectives; ``RESHARD_COLLECTIVE_TIMEOUT_S`` bounds that wait.
+    collectives; ``RESHARD_COLLECTIVE_TIMEOUT_S`` bounds that wait. A process whose
+    call failed before its check posts a refusal instead (``refuse_call``).
 
     Raises:
       ValueError: on every process, naming the processes that built each plan.
+      RuntimeError: a process refused this call, or did not come in time.
     """
     if jax.process_count() == 1:
         return
@@ -502,23 +505,61 @@ def fingerprint(what: Any) -> bytes:
 
 
 _AGREE_KEY = "reshard/agree"
-_agreements = 0  # checks this process has made: the same count on every process
+# The keys this process posted a check or a refusal under and has not deleted yet,
+# oldest first, each with the call it was for (``_collective_common.calls_started``).
+_posted: list[tuple[str, int]] = []
+_REFUSED = "!"  # marks a refusal posted where the check would be (digests are hex)
 # How long a check waits for its peers, as XLA's CPU collectives wait for theirs (the
 # all-gather the check once was gave up after 30 minutes).
 AGREE_WAIT_S = 1800.0
 
 
+def _post(client: Any, value: str) -> None:
+    """Posts ``value`` as this process's part of the current call's check, keyed by the
+    count of calls started, the same on every process for the same call. Keyed by call,
+    not by check, so a refusal (a call that never reaches its check) pairs with the
+    others' check of that very call. Every process's previous post is no longer read
+    once this one is made; this process's own are deleted when its next check succeeds
+    (see ``_exchange``)."""
+    call = calls_started()
+    key = f"{_AGREE_KEY}/{call}/{jax.process_index()}"
+    client.key_value_set(key, value, allow_overwrite=True)
+    _posted.append((key, call))
+
+
+def refuse_call(error: BaseException) -> None:
+    """Tells the other processes that this process's current collective call failed
+    before it posted its check (bad input on this process alone, say), so that any of
+    them waiting in the check of the same call raises at once, naming this process and
+    its error, instead of waiting up to ``AGREE_WAIT_S`` for a check that never comes.
+    All of them have then started as many calls, and stay in step.
+
+    Called by ``reshard`` and ``Plan.execute`` for a counted call that raised. A call
+    that posted its check already posts nothing: its peers may have read the check and
+    gone on into the collectives, where its failure reaches them in the status.
+    Peers that run a plan that has run (no check) never read the refusal. Never
+    raises: the caller's own error is what matters."""
+    if jax.process_count() == 1:
+        return
+    if _posted and _posted[-1][1] == calls_started():
+        return
+    with contextlib.suppress(Exception):
+        client = _compat.distributed_client()
+        if client is not None:
+            what = f"{type(error).__name__}: {error}"
+            _post(client, _REFUSED + (what if len(what) <= 2000 else what[:2000] + " ..."))
+
+
 def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
     """Every process's digest for this check, through the coordination service's
-    key-value store, keyed by the count of checks (every process checks a plan that
-    crosses processes the first time it runs, so the counts pair up as collectives
-    would). Waits for each up to ``AGREE_WAIT_S``; ``RESHARD_COLLECTIVE_TIMEOUT_S``'s
-    watchdog bounds it sooner, as it does the collectives."""
-    global _agreements
-    _agreements += 1
+    key-value store, keyed by the count of calls started (every process checks a plan
+    that crosses processes the first time it runs, in the same call). Waits for each up
+    to ``AGREE_WAIT_S``; ``RESHARD_COLLECTIVE_TIMEOUT_S``'s watchdog bounds it sooner,
+    as it does the collectives. A peer that refused this call (``refuse_call``) makes
+    this process raise at once."""
+    _post(client, digest.hex())
     me = jax.process_index()
-    key = f"{_AGREE_KEY}/{_agreements}"
-    client.key_value_set(f"{key}/{me}", digest.hex(), allow_overwrite=True)
+    key = f"{_AGREE_KEY}/{calls_started()}"
     everyone = {me: digest}
     deadline = time.monotonic() + AGREE_WAIT_S
     for p in range(jax.process_count()):
@@ -534,14 +575,23 @@ def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
                 )
             try:
                 got = client.blocking_key_value_get(f"{key}/{p}", min(left_ms, 60_000))
-                everyone[p] = bytes.fromhex(got)
             except Exception as e:  # the store's timeout, or the service's failure
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
-    # Every process has posted for this check, so each has read this process's key of
-    # the previous one: that key is no longer needed.
-    with contextlib.suppress(Exception):
-        client.key_value_delete(f"{_AGREE_KEY}/{_agreements - 1}/{me}")
+                continue
+            if got.startswith(_REFUSED):
+                raise RuntimeError(
+                    f"reshard: process {p} refused this call before moving any data "
+                    f"({got[len(_REFUSED) :]}), so every process raises; no data moved, "
+                    "the inputs are intact, and the processes are still in step"
+                )
+            everyone[p] = bytes.fromhex(got)
+    # Every process has posted for this call, so each has left the calls of this
+    # process's earlier posts: those keys are no longer read.
+    while len(_posted) > 1:
+        with contextlib.suppress(Exception):
+            client.key_value_delete(_posted[0][0])
+        del _posted[0]
     return everyone
 
 

@@ -114,11 +114,12 @@ class Plan:
         Returns:
           A pytree like ``x`` with every leaf committed to its destination sharding.
         """
-        from ._collective_common import count_call
+        from ._collective_common import counted_call
         from ._execute import execute_plan
 
         if self.crosses_processes:
-            count_call()  # before anything can fail (see count_call)
+            with counted_call():  # counted before anything can fail (see count_call)
+                return execute_plan(self, x, donate=donate, may_alias=may_alias)
         return execute_plan(self, x, donate=donate, may_alias=may_alias)
 
     # -- describing --------------------------------------------------------------
