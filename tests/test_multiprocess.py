@@ -769,8 +769,8 @@ def _scenarios() -> dict[str, Callable[[], None]]:
 
     def a_call_refused_on_one_process_fails_every_process_at_once() -> None:
         # Process 1 alone refuses a call (bad input there) that the others make too,
-        # the first run of a plan, so they wait in its check: once while planning, once
-        # in Plan.execute. They waited for a check that never came (30 minutes by
+        # the first run of a plan, so they wait in its check: while planning, in
+        # Plan.execute, and while planning a recovery. They waited for a check that never came (30 minutes by
         # default). Now process 1 posts its refusal where its check would be, and they
         # raise at once, naming it and its error; every process has started as many
         # calls, so all stay in step (the next calls work). A fallback to waiting would
@@ -786,6 +786,8 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 (lambda: reshard.reshard(x, P(None, "t") if me == 1 else dst),
                  "Wrap a PartitionSpec in NamedSharding"),
                 (lambda: plan.execute(narrow if me == 1 else x), "the plan was built for"),
+                (lambda: reshard.recover(x, dst, lost_devices=dst.mesh.devices.flat[:1]
+                                         if me == 1 else []), "uses avoided devices"),
             ):  # fmt: skip
                 try:
                     call()

@@ -161,14 +161,21 @@ def reshard(
             cache=cache_resharding_plans,
         )
     except BaseException as e:
-        if _may_cross_processes(x, sharding):
-            _collective_common.count_call()  # a collective call, refused
-            _collective_common.refused(e)  # peers in its check raise too
+        refuse_unplanned(x, sharding, e)
         raise
     if p.crosses_processes:
         with _collective_common.counted_call():  # counted before anything else can fail
             return execute_plan(p, x, donate=donate, may_alias=may_alias, checked=checked)
     return execute_plan(p, x, donate=donate, may_alias=may_alias, checked=checked)
+
+
+def refuse_unplanned(x: Any, sharding: Any, error: BaseException) -> None:
+    """For a public call that raised ``error`` before it had a plan to run: where it
+    may have been a collective call, counts it, and tells the other processes, so that
+    any of them in the same call's check raises too (``_collective_common.refused``)."""
+    if _may_cross_processes(x, sharding):
+        _collective_common.count_call()  # a collective call, refused
+        _collective_common.refused(error)
 
 
 def _may_cross_processes(x: Any, sharding: Any) -> bool:
@@ -189,7 +196,10 @@ def _may_cross_processes(x: Any, sharding: Any) -> bool:
         )
         destinations: set[int] = set()
         for s in shardings:
-            devices = [s] if isinstance(s, jax.Device) else getattr(s, "device_set", ())
+            if isinstance(s, Mesh):  # (reshard.recover's destination may be one)
+                devices = list(s.devices.flat)
+            else:
+                devices = [s] if isinstance(s, jax.Device) else getattr(s, "device_set", ())
             destinations |= {d.process_index for d in devices}
         # No destination device to see (a PartitionSpec for a sharding, say): in doubt.
         return not destinations or len(found | destinations) > 1

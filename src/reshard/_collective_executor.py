@@ -534,7 +534,8 @@ def refuse_call(error: BaseException) -> None:
     its error, instead of waiting up to ``AGREE_WAIT_S`` for a check that never comes.
     All of them have then started as many calls, and stay in step.
 
-    Called by ``reshard`` and ``Plan.execute`` for a counted call that raised. A call
+    Called by ``reshard``, ``recover`` and ``Plan.execute`` for a counted call that
+    raised. A call
     that posted its check already posts nothing: its peers may have read the check and
     gone on into the collectives, where its failure reaches them in the status.
     Peers that run a plan that has run (no check) never read the refusal. Never

@@ -31,8 +31,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from ._api import _avoid_ids
+from ._api import _avoid_ids, refuse_unplanned
 from ._api import plan as make_plan
+from ._collective_common import calls_started
 from ._mesh_surgery import (
     _listed,
     carry_shardings,
@@ -73,6 +74,18 @@ class DeviceLossError(RuntimeError):
 def _recover_with_plan(
     x: Any, sharding: Any, lost_devices: Iterable[Any], *, donate: bool
 ) -> tuple[Any, Plan]:
+    before = calls_started()
+    try:
+        return _recover(x, sharding, lost_devices, donate=donate)
+    except BaseException as e:
+        if calls_started() == before:  # failed before Plan.execute counted the call
+            refuse_unplanned(x, sharding, e)  # (as reshard does)
+        raise
+
+
+def _recover(
+    x: Any, sharding: Any, lost_devices: Iterable[Any], *, donate: bool
+) -> tuple[Any, Plan]:
     lost = _avoid_ids(lost_devices, "recover: lost_devices")
     if isinstance(sharding, Mesh):
         leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -81,7 +94,7 @@ def _recover_with_plan(
             # comes back as it is, and the arrays keep their leaf paths in errors.
             arrays = [a if isinstance(a, jax.Array) else None for a in leaves]
             only = jax.tree_util.tree_unflatten(treedef, arrays)
-            out, p = _recover_with_plan(only, sharding, lost, donate=donate)
+            out, p = _recover(only, sharding, lost, donate=donate)
             moved = iter(jax.tree_util.tree_leaves(out))
             back = [
                 next(moved) if a is not None else b for a, b in zip(arrays, leaves, strict=True)
