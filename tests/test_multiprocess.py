@@ -800,6 +800,15 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                     assert "(ValueError: " in str(e) and why in str(e), e
         finally:
             _collective_executor.AGREE_WAIT_S = wait
+        # A recovery onto a mesh of process 1's own devices, refused there alone, is a
+        # call within one process: neither counted nor reported, so all stay in step.
+        if me == 1:
+            mine = Mesh(np.array(jax.local_devices()), ("l",))
+            try:
+                reshard.recover(make(a, NamedSharding(mine, P("l"))), mine, [mine.devices[0]])
+                raise AssertionError("a recovery onto a lost device did not raise")
+            except ValueError as e:
+                assert "uses avoided devices" in str(e), e
         check(x, a, src)
         check(reshard.reshard(x, dst), a, dst)
         check(plan.execute(x), a, dst)
