@@ -535,11 +535,10 @@ def refuse_call(error: BaseException) -> None:
     All of them have then started as many calls, and stay in step.
 
     Called by ``reshard``, ``recover`` and ``Plan.execute`` for a counted call that
-    raised. A call
-    that posted its check already posts nothing: its peers may have read the check and
-    gone on into the collectives, where its failure reaches them in the status.
-    Peers that run a plan that has run (no check) never read the refusal. Never
-    raises: the caller's own error is what matters."""
+    raised. A call that posted its check already posts nothing: its peers may have
+    read the check and gone on into the collectives, where its failure reaches them in
+    the status. Peers that run a plan that has run (no check) never read the refusal.
+    Never raises: the caller's own error is what matters."""
     if jax.process_count() == 1:
         return
     if _posted and _posted[-1][1] == calls_started():
