@@ -770,11 +770,13 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     def a_call_refused_on_one_process_fails_every_process_at_once() -> None:
         # Process 1 alone refuses a call (bad input there) that the others make too,
         # the first run of a plan, so they wait in its check: while planning, in
-        # Plan.execute, and while planning a recovery. They waited for a check that never came (30 minutes by
-        # default). Now process 1 posts its refusal where its check would be, and they
-        # raise at once, naming it and its error; every process has started as many
-        # calls, so all stay in step (the next calls work). A fallback to waiting would
-        # raise "waited ..." after AGREE_WAIT_S instead, and fail the checks below.
+        # Plan.execute, and while planning a recovery. They used to wait for a check
+        # that never came (30 minutes by default), or to meet process 1's next call
+        # there and go out of step for good. Now process 1 posts its refusal where its
+        # check would be, and they raise at once, naming it and its error; every
+        # process has started as many calls, so all stay in step (the next calls
+        # work). A fallback to waiting would raise "waited ..." after AGREE_WAIT_S
+        # instead, and fail the checks below.
         src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
         x = make(a, src)
         narrow = make(np.ascontiguousarray(a[:, : a.shape[1] // 2]), src)
