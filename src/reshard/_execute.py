@@ -35,9 +35,7 @@ def _jobs(plan: Plan) -> list[LeafJob]:
             job = built.get(key)
             if job is None:
                 job = built[key] = _shared_job(lp, dtype)
-            elif job.plan is not lp:
-                job = LeafJob(lp, *(getattr(job, f) for f in _JOB_SHARED))
-            jobs.append(job)
+            jobs.append(_naming(job, lp))
         plan._cache["jobs"] = jobs
     return jobs
 
@@ -68,10 +66,7 @@ def _shared_job(lp: LeafPlan, dtype: np.dtype) -> LeafJob:
         _buffers.ROW_ITEM_BYTES,
         None if fastcopy is None else getattr(fastcopy, "TABLE_WIDTH", None),
     )
-    job: LeafJob = _programs.shared_job(key, lambda: LeafJob.build(lp, dtype))
-    if job.plan is lp:
-        return job
-    return LeafJob(lp, *(getattr(job, f) for f in _JOB_SHARED))
+    return _naming(_programs.shared_job(key, lambda: LeafJob.build(lp, dtype)), lp)
 
 
 def traced_leaf(where: str, v: Any) -> Exception:
@@ -163,6 +158,12 @@ def _equivalent(a: Sharding, b: Sharding | None, ndim: int) -> bool:
 
 # What arrays of one geometry share of their ``LeafJob``: all but the leaf plan.
 _JOB_SHARED = tuple(f.name for f in dataclasses.fields(LeafJob))[1:]
+
+
+def _naming(job: LeafJob, lp: LeafPlan) -> LeafJob:
+    """``job`` as the job of the leaf plan ``lp``, whose geometry it has: its parts
+    shared, its own leaf plan named."""
+    return job if job.plan is lp else LeafJob(lp, *(getattr(job, f) for f in _JOB_SHARED))
 
 
 @_compat.moving_bytes()
