@@ -505,13 +505,18 @@ def fingerprint(what: Any) -> bytes:
 
 
 _AGREE_KEY = "reshard/agree"
-# The keys this process posted a check or a refusal under and has not deleted yet,
-# oldest first, each with the call it was for (``_collective_common.calls_started``).
-_posted: list[tuple[str, int]] = []
+# The calls (``_collective_common.calls_started``) this process posted a check or a
+# refusal for and has not deleted yet, oldest first.
+_posted: list[int] = []
 _REFUSED = "!"  # marks a refusal posted where the check would be (digests are hex)
 # How long a check waits for its peers, as XLA's CPU collectives wait for theirs (the
 # all-gather the check once was gave up after 30 minutes).
 AGREE_WAIT_S = 1800.0
+
+
+def _key(call: int, process: int) -> str:
+    """Where ``process`` posts its check (or refusal) of its ``call``-th call."""
+    return f"{_AGREE_KEY}/{call}/{process}"
 
 
 def _post(client: Any, value: str) -> None:
@@ -522,9 +527,8 @@ def _post(client: Any, value: str) -> None:
     once this one is made; this process's own are deleted when its next check succeeds
     (see ``_exchange``)."""
     call = calls_started()
-    key = f"{_AGREE_KEY}/{call}/{jax.process_index()}"
-    client.key_value_set(key, value, allow_overwrite=True)
-    _posted.append((key, call))
+    client.key_value_set(_key(call, jax.process_index()), value, allow_overwrite=True)
+    _posted.append(call)
 
 
 def refuse_call(error: BaseException) -> None:
@@ -541,7 +545,7 @@ def refuse_call(error: BaseException) -> None:
     Never raises: the caller's own error is what matters."""
     if jax.process_count() == 1:
         return
-    if _posted and _posted[-1][1] == calls_started():
+    if _posted and _posted[-1] == calls_started():
         return
     with contextlib.suppress(Exception):
         client = _compat.distributed_client()
@@ -558,8 +562,7 @@ def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
     as it does the collectives. A peer that refused this call (``refuse_call``) makes
     this process raise at once."""
     _post(client, digest.hex())
-    me = jax.process_index()
-    key = f"{_AGREE_KEY}/{calls_started()}"
+    me, call = jax.process_index(), calls_started()
     everyone = {me: digest}
     deadline = time.monotonic() + AGREE_WAIT_S
     for p in range(jax.process_count()):
@@ -574,7 +577,7 @@ def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
                     "RESHARD_COLLECTIVE_TIMEOUT_S to bound such waits sooner"
                 )
             try:
-                got = client.blocking_key_value_get(f"{key}/{p}", min(left_ms, 60_000))
+                got = client.blocking_key_value_get(_key(call, p), min(left_ms, 60_000))
             except Exception as e:  # the store's timeout, or the service's failure
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
@@ -590,7 +593,7 @@ def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
     # process's earlier posts: those keys are no longer read.
     while len(_posted) > 1:
         with contextlib.suppress(Exception):
-            client.key_value_delete(_posted[0][0])
+            client.key_value_delete(_key(_posted[0], me))
         del _posted[0]
     return everyone
 
