@@ -60,7 +60,8 @@ in place (docs/performance-record.md). Measured and not better there (each in it
 plan, several launches): sending 256 KiB shards whole instead of packing them;
 packing everything on the sender; and senders assembling each destination block so
 that the receiver copies nothing, which moved the same copying to the sender (branch
-``experiment/assembled-blocks``).
+``experiment/assembled-blocks``). Sending the 512 KiB shards whole too (the sender
+then copies nothing) was 2-3% faster and is the default (``WHOLE_BYTES``).
 """
 
 from __future__ import annotations
@@ -114,15 +115,22 @@ MIN_STAGE_BYTES = 2**20
 # Source shards of at least WHOLE_BYTES[0] bytes that a receiving process needs all of
 # are sent as they are (zero-copy), in row ranges of at most WHOLE_BYTES[1] bytes (one
 # huge buffer crosses gloo slowly). Smaller ones are packed into shared chunks, so tiny
-# arrays (norms, biases) do not each cost a ppermute.
-WHOLE_BYTES = (2**20, 16 * 2**20)
+# arrays (norms, biases) do not each cost a ppermute. 512 KiB rather than 1 MiB since
+# session 38: the fsdp -> tp relayout's 512 KiB shards then go whole (the sender packs
+# nothing, the receiver cuts them with the rest), and its ten stages become the same
+# six as the weight sync's. A/B with each variant's plan built afresh, medians of 15
+# in one launch each: the 288 MiB relayout took 0.954, 1.003, 0.959, 0.968, 0.973,
+# 0.984 and 1.015x the time of 1 MiB, with 0.95-1.01x the CPU; the 40 MiB one 1.035,
+# 0.847 and 0.946x with 0.93-0.94x the CPU (sessions 34 and 36 had measured 0.93-1.01x
+# for the large tree; docs/performance-record.md).
+WHOLE_BYTES = (2**19, 16 * 2**20)
 # ...and from this size (if below WHOLE_BYTES[0]) where the shard is exactly one
 # destination shard (weight sync between equal layouts): sent whole, it crosses with
 # no copy at either end, where packed it costs two. A/B, 512 KiB against 1 MiB, in
 # one launch each: the same-layout sync took 0.88-0.99x the time on the 288 MiB tree
-# (13 launches) and 0.87-0.96x on the 40 MiB one (7). A relayout's 512 KiB shards
-# sent whole only move the copy from sender to receiver: 0.95-1.07x over ten launches
-# (two identical plans measured 0.92-1.02x of each other), so WHOLE_BYTES[0] holds.
+# (13 launches) and 0.87-0.96x on the 40 MiB one (7). With WHOLE_BYTES[0] at 512 KiB
+# too it adds nothing by default; it stays a setting of its own (the two were tuned
+# apart, and may part again).
 WHOLE_ARRIVING_BYTES = 2**19
 # Bytes per device in one stage of whole shards; the bound also caps the zero-filled
 # outputs XLA makes for devices that receive nothing in a ppermute. On the 288 MiB
