@@ -122,7 +122,9 @@ MIN_STAGE_BYTES = 2**20
 # in one launch each: the 288 MiB relayout took 0.954, 1.003, 0.959, 0.968, 0.973,
 # 0.984 and 1.015x the time of 1 MiB, with 0.95-1.01x the CPU; the 40 MiB one 1.035,
 # 0.847 and 0.946x with 0.93-0.94x the CPU (sessions 34 and 36 had measured 0.93-1.01x
-# for the large tree; docs/performance-record.md).
+# for the large tree; docs/performance-record.md). The trade-off: more, smaller
+# collectives. A tree of nothing but 512 KiB shards (200 arrays) took 1.03-1.07x the
+# time (0.96-1.00x the CPU), one of 640 KiB shards 0.95-1.06x.
 WHOLE_BYTES = (2**19, 16 * 2**20)
 # ...and from this size (if below WHOLE_BYTES[0]) where the shard is exactly one
 # destination shard (weight sync between equal layouts): sent whole, it crosses with
