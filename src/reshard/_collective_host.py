@@ -61,7 +61,8 @@ plan, several launches): sending 256 KiB shards whole instead of packing them;
 packing everything on the sender; and senders assembling each destination block so
 that the receiver copies nothing, which moved the same copying to the sender (branch
 ``experiment/assembled-blocks``). Sending the 512 KiB shards whole too (the sender
-then copies nothing) was 2-3% faster and is the default (``WHOLE_BYTES``).
+then copies nothing) was 2-3% faster there, and slower for trees of nothing but such
+shards; it is the default (``WHOLE_BYTES``).
 """
 
 from __future__ import annotations
@@ -115,14 +116,14 @@ MIN_STAGE_BYTES = 2**20
 # Source shards of at least WHOLE_BYTES[0] bytes that a receiving process needs all of
 # are sent as they are (zero-copy), in row ranges of at most WHOLE_BYTES[1] bytes (one
 # huge buffer crosses gloo slowly). Smaller ones are packed into shared chunks, so tiny
-# arrays (norms, biases) do not each cost a ppermute. 512 KiB rather than 1 MiB since
-# session 38: the fsdp -> tp relayout's 512 KiB shards then go whole (the sender packs
+# arrays (norms, biases) do not each cost a ppermute. 512 KiB rather than 1 MiB (since
+# 2026-12-06): the fsdp -> tp relayout's 512 KiB shards then go whole (the sender packs
 # nothing, the receiver cuts them with the rest), and its ten stages become the same
 # six as the weight sync's. A/B with each variant's plan built afresh, medians of 15
 # in one launch each: the 288 MiB relayout took 0.954, 1.003, 0.959, 0.968, 0.973,
 # 0.984 and 1.015x the time of 1 MiB, with 0.95-1.01x the CPU; the 40 MiB one 1.035,
-# 0.847 and 0.946x with 0.93-0.94x the CPU (sessions 34 and 36 had measured 0.93-1.01x
-# for the large tree; docs/performance-record.md). The trade-off: more, smaller
+# 0.847 and 0.946x with 0.93-0.94x the CPU (earlier A/Bs had measured 0.93-1.01x for
+# the large tree; docs/performance-record.md). The trade-off: more, smaller
 # collectives. A tree of nothing but 512 KiB shards (200 arrays) took 1.03-1.07x the
 # time (0.96-1.00x the CPU), one of 640 KiB shards 0.95-1.06x.
 WHOLE_BYTES = (2**19, 16 * 2**20)
