@@ -304,6 +304,8 @@ def test_a_process_that_needs_whole_source_shards_gets_them_unpacked() -> None:
     takes = [op for st_ in receiver.unpack for _, ops in st_.values() for op in ops]
     assert len(takes) == 2 * 4 * 4  # every (array, source, destination) piece once
     assert not receiver.arrive_whole  # every destination block is assembled
+    # The receiving process sends nothing: filler in every stage (_filler_stage).
+    assert all(sender.sends_in) and not any(receiver.sends_in)
 
 
 def test_a_schedule_of_large_ops_builds_its_tables_at_its_first_run() -> None:

@@ -424,8 +424,16 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         p = reshard.plan(x, dst)
         program = only_program(p)
         compiled = dict(program._compiled)
+        fillers = dict(program.fillers)
         check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
         assert program._compiled == compiled  # same executables, nothing recompiled
+        if program.host_packed and program.local_devices:
+            # A process hands filler to each stage it sends nothing in, made once.
+            idle = {s for s, sends in enumerate(program.host.sends_in) if not sends}
+            assert set(program.fillers) == set(fillers) == idle
+            assert all(program.fillers[s] is fillers[s] for s in idle)
+            if not any(d.process_index == me for d in devs[:half]):  # only receives
+                assert idle == set(range(len(program.host.stages)))
         # A plan built afresh (cache off, the default) gets the same executables.
         fresh = reshard.plan(x, dst, cache=False)
         assert fresh is not p

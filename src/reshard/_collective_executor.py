@@ -283,6 +283,9 @@ class CollectiveProgram:
                     )
                 )
         self._compiled: dict[int, Any] = {}
+        # Per stage, the filler chunks of a process that sends nothing in it
+        # (``_collective_host._filler_stage``).
+        self.fillers: dict[int, list[jax.Array]] = {}
         self._status_fn: Any = None
         self._placeholder_fns: dict[tuple[int, tuple[int, ...]], Any] = {}
 
