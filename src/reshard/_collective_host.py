@@ -535,6 +535,16 @@ class HostSchedule:
         self.idle = _compat.aligned_empty(
             (max((ch.nbytes for ch in self.chunks), default=1),), np.dtype(np.uint8)
         )
+        # Per whole chunk and sending position: (array, first byte, end byte) of the
+        # source block that it sends (its rows: a range of the block's bytes).
+        self.whole_rows: dict[int, dict[int, tuple[int, int, int]]] = {}
+        for ci, ch in enumerate(self.chunks):
+            if ch.whole:
+                sent = self.whole_rows[ci] = {}
+                for pos, (((li, _, _, shape, start, _), _),) in ch.sends.items():
+                    if process[pos] == me:
+                        first = start[0] * math.prod(shape[1:]) * itemsizes[li] if shape else 0
+                        sent[pos] = (li, first, first + math.prod(shape) * itemsizes[li])
         # Per stage, whether this process sends anything in it (else every chunk it
         # hands the stage is filler: ``_filler_stage``).
         self.sends_in = [
@@ -840,7 +850,7 @@ def _local_tasks(
 
 
 def _pack_stage(
-    program: CollectiveProgram, s: int, views: Mapping[int, dict[int, np.ndarray]]
+    program: CollectiveProgram, s: int, views: Mapping[int, _SourceViews]
 ) -> list[jax.Array]:
     """This process's chunks of stage ``s``, as arrays on the union mesh."""
     sched: HostSchedule = program.host
@@ -857,8 +867,8 @@ def _pack_stage(
             if pos not in ch.sends:
                 row.append(sched.idle[: ch.nbytes])
             elif ch.whole:  # rows of the source shard itself, zero-copy
-                (((li, _, _, shape, s0, _), _),) = ch.sends[pos]
-                row.append(views[pos][li][_slices(s0, shape)].reshape(-1).view(np.uint8))
+                li, first, end = sched.whole_rows[ci][pos]
+                row.append(views[pos].raw(li)[first:end])
             else:
                 row.append(POOL.take(ch.nbytes))
         ops = sched.pack[s].get(pos)
@@ -921,10 +931,8 @@ def _unpack_stage(
         per_array = [_compat.device_buffers(r) for r in received]
         lands = {op[1] for _, pos_ops in ops.values() for op in pos_ops}
         # Zero-copy views of what arrived; each waits for its transfer.
-        raws = {
-            land: [_compat.host_view(b[program.devices[land].id]) for b in per_array]
-            for land in lands
-        }
+        view = _viewer(program)
+        raws = {land: [view(b[program.devices[land].id]) for b in per_array] for land in lands}
         tables = program.host.unpack_tables
         found = None if tables is None else tables[s]
         tasks = _unpack_tasks(ops, found, raws, outs, program.dtypes)
@@ -935,6 +943,13 @@ def _unpack_stage(
     del sent
 
 
+def _viewer(program: CollectiveProgram) -> Callable[[jax.Array], np.ndarray]:
+    """``_compat.host_view`` for the single-device arrays of ``program``'s devices,
+    which are all of one platform: on CPU without asking each array (hundreds of views
+    per call of a model)."""
+    return _compat.cpu_view if program.devices[0].platform == "cpu" else _compat.host_view
+
+
 class _SourceViews(dict[int, np.ndarray]):
     """Per array, a zero-copy view of one device's source block, made when first
     asked for: stage 0 starts without waiting for the views of every array (~7 us
@@ -943,12 +958,21 @@ class _SourceViews(dict[int, np.ndarray]):
     def __init__(self, program: CollectiveProgram, bufs: Sequence[dict[int, Any]], dev_id: int):
         super().__init__()
         self._program, self._bufs, self._dev_id = program, bufs, dev_id
+        self._view = _viewer(program)
 
     def __missing__(self, li: int) -> np.ndarray:
-        view = _compat.host_view(self._bufs[li][self._dev_id])
+        view = self._view(self._bufs[li][self._dev_id])
         view = view.reshape(self._program.leaves[li].src_block)
         self[li] = view
         return view
+
+    def raw(self, li: int) -> np.ndarray:
+        """The source block of array ``li`` as its bytes (a block sent whole is sent
+        as bytes; rows of a block are a range of them)."""
+        view = self.get(li)
+        if view is None:
+            view = self._view(self._bufs[li][self._dev_id])
+        return view.reshape(-1).view(np.uint8)
 
 
 def _destinations(
