@@ -1088,7 +1088,6 @@ def run_host_packed(
                 except Exception as e:
                     failure = e
             del sent, received
-    made: dict[int, jax.Array] = {}
     try:
         if failure is None:
             if outs is None:
@@ -1096,7 +1095,6 @@ def run_host_packed(
             # Copies within this process need no network: done while the last stages
             # travel.
             local.run_copies(_local_tasks(sched, outs, views))
-            made = _made_early(program, shardings, outs, bufs)
     finally:
         for f in pending:  # nothing keeps writing once this returns or raises
             f.exception()
@@ -1111,11 +1109,7 @@ def run_host_packed(
     for f in pending:
         f.result()
     assert outs is not None
-    arrays = []
-    for li, sharding in enumerate(shardings):
-        early = made.get(li)
-        arrays.append(_output(program, li, sharding, outs, bufs) if early is None else early)
-    return arrays
+    return [_output(program, li, sharding, outs, bufs) for li, sharding in enumerate(shardings)]
 
 
 def _output(
@@ -1140,43 +1134,3 @@ def _output(
         else:
             parts.append(outs[pos][li].reshape(shard_shape))
     return common.finish(program.leaf_plans[li], program.dtypes[li], sharding, parts, devs)
-
-
-def _made_early(
-    program: CollectiveProgram,
-    shardings: Sequence[Any],
-    outs: dict[int, dict[int, np.ndarray]],
-    bufs: _SourceBuffers,
-) -> dict[int, jax.Array]:
-    """Per array, its destination array made while the last stage travels, before
-    its blocks are written, where they are known by then (not the chunks that arrive
-    as blocks) and the array is seen to hold them themselves, not copies of them: on
-    CPU a pooled block becomes a shard without a copy. Made after the last stage
-    instead, they kept the receiving process of the 288 MiB relayout busy ~2.5 ms
-    after the others were done (74 arrays). The caller returns them only once every
-    block is written; any it does not find here it makes then."""
-    if program.devices[0].platform != "cpu":
-        return {}  # elsewhere a host block is copied to its device
-    late = {li for li, _ in program.host.arrive_whole}
-    made = {}
-    try:
-        for li, sharding in enumerate(shardings):
-            position = program.position
-            blocks = [
-                (d.id, outs[position[d.id]][li])
-                for d in _compat.addressable_devices(sharding)
-                if position[d.id] not in program.reused[li]
-            ]
-            # (JAX makes the replicas of a replicated array copies of its first block.)
-            if li in late or (len(blocks) > 1 and sharding.is_fully_replicated):
-                continue
-            array = _output(program, li, sharding, outs, bufs)
-            held = _compat.device_buffers(array)
-            if all(
-                b.nbytes == 0 or held[d].unsafe_buffer_pointer() == b.__array_interface__["data"][0]
-                for d, b in blocks
-            ):
-                made[li] = array
-    except Exception:  # pragma: no cover - made again after the last stage, or raised
-        pass
-    return made
