@@ -835,6 +835,11 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         sizes = ("CHUNK_BYTES", "STAGE_BYTES", "WHOLE_BYTES", "WHOLE_STAGE_BYTES")
         saved = {k: getattr(_collective_host, k) for k in sizes}
         pack, destinations = _collective_host._pack_stage, _collective_host._destinations
+        buffers = _collective_host._SourceBuffers
+
+        class FailingBuffers(buffers):  # type: ignore[misc, valid-type]
+            def __missing__(self, li: int) -> Any:
+                raise MemoryError("injected: out of host memory finding the sources")
 
         def failing_pack(program: Any, s: int, views: Any) -> Any:
             if s == 2:
@@ -851,6 +856,9 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             for victim, name, broken in (
                 (0, "_pack_stage", failing_pack),
                 (procs - 1, "_destinations", failing_destinations),
+                # The receiving process needs no source buffers while packing (it sends
+                # filler): it finds them before the last stage, and reports a failure.
+                (procs - 1, "_SourceBuffers", FailingBuffers),
             )
             for whole in (False, True)
         ]
@@ -875,6 +883,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 assert f"reshard failed on process(es) [{victim}]" in str(e), e
             finally:
                 _collective_host._pack_stage, _collective_host._destinations = pack, destinations
+                _collective_host._SourceBuffers = buffers
                 for k, v in saved.items():
                     setattr(_collective_host, k, v)
             program = only_program(p)

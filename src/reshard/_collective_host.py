@@ -1062,6 +1062,16 @@ def run_host_packed(
             if sent is None:
                 sent = _filler_stage(program, s)
             if s == last:
+                if failure is None:
+                    # Every source's buffers found by now (those not sent are needed
+                    # after, by local copies and kept shards): whatever fails to give
+                    # them is reported to the peers here, not raised by this process
+                    # alone once the others have finished.
+                    try:
+                        for li in range(len(sources)):
+                            bufs[li]  # noqa: B018 - found (and kept) by __missing__
+                    except Exception as e:
+                        failure = e
                 reported = failure is not None
                 sent.append(common.status_input(program, reported))
             if previous:
