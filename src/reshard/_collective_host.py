@@ -543,7 +543,7 @@ class HostSchedule:
                 sent = self.whole_rows[ci] = {}
                 for pos, (((li, _, _, shape, start, _), _),) in ch.sends.items():
                     if process[pos] == me:
-                        first = start[0] * math.prod(shape[1:]) * itemsizes[li] if shape else 0
+                        first = start[0] * math.prod(shape[1:]) * itemsizes[li]
                         sent[pos] = (li, first, first + math.prod(shape) * itemsizes[li])
         # Per stage, whether this process sends anything in it (else every chunk it
         # hands the stage is filler: ``_filler_stage``).
@@ -983,11 +983,9 @@ class _SourceViews(dict[int, np.ndarray]):
 
     def raw(self, li: int) -> np.ndarray:
         """The source block of array ``li`` as its bytes (a block sent whole is sent
-        as bytes; rows of a block are a range of them)."""
-        view = self.get(li)
-        if view is None:
-            view = self._view(self._bufs[li][self._dev_id])
-        return view.reshape(-1).view(np.uint8)
+        as bytes; rows of a block are a range of them). Its view is made once, as
+        for ``self[li]``, however many row ranges of it are sent."""
+        return self[li].reshape(-1).view(np.uint8)
 
 
 def _destinations(
