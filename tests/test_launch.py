@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,6 +224,20 @@ def test_topology_values_and_output_are_collected() -> None:
     # Process 0 owns the first devices, process 1 the rest: disjoint local devices.
     ids0, ids1 = (set(r.value["local_device_ids"]) for r in results)
     assert not ids0 & ids1
+
+
+@pytest.mark.timeout(120)
+def test_each_process_gets_its_own_device_count() -> None:
+    # Hosts of different sizes: process i gets devices_per_process[i] devices, and
+    # every process sees all of them, numbered by process.
+    results = launch_local(
+        f"{HERE}:_target_topology", num_processes=3, devices_per_process=[1, 3, 2], args=["y"]
+    )
+    assert [len(r.value["local_device_ids"]) for r in results] == [1, 3, 2]
+    assert [r.value["device_count"] for r in results] == [6, 6, 6]
+    ids = [set(r.value["local_device_ids"]) for r in results]
+    assert len(set().union(*ids)) == 6
+    assert max(ids[0]) < min(ids[1]) and max(ids[1]) < min(ids[2])
 
 
 @pytest.mark.timeout(60)
@@ -832,8 +847,15 @@ def test_bad_arguments_are_rejected_with_the_value() -> None:
         with pytest.raises(ValueError, match=rf"from 1 to 2147483647 .*'{name}': 2147483648"):
             launch_local("x:y", **{name: 2**31})  # type: ignore[arg-type]
     for bad in ("2", 2.5, True):
-        with pytest.raises(ValueError, match=rf"as integers; got num_processes={bad!r}"):
+        with pytest.raises(ValueError, match=rf"as an integer; got num_processes={bad!r}"):
             launch_local("x:y", num_processes=bad)  # type: ignore[arg-type]
+    # One count for all, or exactly one (whole, positive) count per process.
+    for bad in (0, 2.0, True, "4"):
+        with pytest.raises(ValueError, match=rf"got devices_per_process={bad!r}\.$"):
+            launch_local("x:y", devices_per_process=bad)  # type: ignore[arg-type]
+    for many in ([4], [4, 2, 1], [4, 0], (2, True), [2, 1.0]):
+        with pytest.raises(ValueError, match=rf"or as 2 of them .*={re.escape(repr(many))}\.$"):
+            launch_local("x:y", num_processes=2, devices_per_process=many)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="target is empty"):
         launch_local(" ")
     # Names and types only: an environment may hold secrets.

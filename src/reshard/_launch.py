@@ -6,7 +6,8 @@ them. This module reproduces that on one machine so tests, demos and users can t
 ``reshard`` across processes without a cluster:
 
 - :func:`launch_local` starts ``num_processes`` Python processes, each with
-  ``devices_per_process`` simulated CPU devices, gloo CPU collectives and a coordinator
+  ``devices_per_process`` simulated CPU devices (one count for all, or one per
+  process, as hosts of different sizes have), gloo CPU collectives and a coordinator
   on a free port of 127.0.0.1; it collects every process's stdout, stderr, exit code
   and (for function targets) return value, and always ends every process it started.
 - :func:`initialize_from_env` is called inside a child (the launcher calls it for you
@@ -238,7 +239,7 @@ class _SigtermUnwinds:
 def launch_local(
     target: str,
     num_processes: int = 2,
-    devices_per_process: int = 4,
+    devices_per_process: int | Sequence[int] = 4,
     *,
     timeout_s: float = 120.0,
     args: Sequence[Any] = (),
@@ -253,9 +254,10 @@ def launch_local(
 ) -> list[ProcessResult]:
     """Runs ``target`` in ``num_processes`` local JAX processes and waits for all of them.
 
-    Each process gets ``devices_per_process`` simulated CPU devices, gloo collectives and
+    Each process gets ``devices_per_process`` simulated CPU devices (or, given one count
+    per process, process ``i`` gets ``devices_per_process[i]``), gloo collectives and
     the coordinator address of a free port on 127.0.0.1, so the processes together see
-    ``num_processes * devices_per_process`` global devices (``jax.devices()``). The
+    the sum of their counts as global devices (``jax.devices()``). The
     launcher holds that port for the launch (``_claim_port``). Should another program
     take it before process 0 binds it, the launch starts again on another port (up to
     3 ports, within ``timeout_s``; with ``initialize=True`` only: the launcher must see
@@ -269,7 +271,10 @@ def launch_local(
             ``"path/to/script.py"`` or ``"pkg.module"`` (run as ``__main__`` with
             ``sys.argv[1:] == [str(a) for a in args]``).
         num_processes: how many processes (>= 1).
-        devices_per_process: simulated CPU devices per process (>= 1).
+        devices_per_process: simulated CPU devices per process (>= 1): one count for
+            every process, or a list or tuple of ``num_processes`` counts, one per
+            process in process-id order (e.g. ``[4, 2]``: a trainer's host of 4 devices
+            and a sampler's of 2).
         timeout_s: hard limit for the whole launch; then every process is killed.
         args: positional arguments for the target, a list or tuple (JSON-serialisable
             for function targets).
@@ -323,13 +328,7 @@ def launch_local(
             "'path/to/file.py:function', 'path/to/script.py' or 'pkg.module'; got "
             f"{type(target).__name__}: {target!r}"
         )
-    counts = {"num_processes": num_processes, "devices_per_process": devices_per_process}
-    if any(isinstance(v, bool) or not isinstance(v, Integral) or v < 1 for v in counts.values()):
-        raise ValueError(
-            "launch_local needs num_processes >= 1 and devices_per_process >= 1, as "
-            f"integers; got num_processes={num_processes!r}, "
-            f"devices_per_process={devices_per_process!r}."
-        )
+    per_process = _device_counts(num_processes, devices_per_process)
     limits = {"timeout_s": timeout_s, "peer_failure_grace_s": peer_failure_grace_s}
     if any(isinstance(v, bool) or not isinstance(v, Real) for v in limits.values()):
         raise ValueError(
@@ -399,8 +398,7 @@ def launch_local(
         try:
             results, port_taken = _launch_once(
                 target,
-                num_processes,
-                devices_per_process,
+                per_process,
                 port=port,
                 deadline=deadline,
                 args_json=args_json,
@@ -426,6 +424,36 @@ def launch_local(
     return results
 
 
+def _device_counts(num_processes: Any, devices_per_process: Any) -> list[int]:
+    """Each process's simulated device count, in process-id order, from the arguments
+    of :func:`launch_local` (checked)."""
+
+    def whole(v: Any) -> bool:
+        return not isinstance(v, bool) and isinstance(v, Integral) and int(v) >= 1
+
+    if not whole(num_processes):
+        raise ValueError(
+            f"launch_local needs num_processes >= 1, as an integer; got num_processes="
+            f"{num_processes!r}."
+        )
+    if isinstance(devices_per_process, list | tuple):
+        if len(devices_per_process) != num_processes or not all(
+            whole(v) for v in devices_per_process
+        ):
+            raise ValueError(
+                f"launch_local needs devices_per_process as one integer >= 1, or as "
+                f"{num_processes} of them (one per process, for num_processes="
+                f"{num_processes}); got devices_per_process={devices_per_process!r}."
+            )
+        return [int(v) for v in devices_per_process]
+    if not whole(devices_per_process):
+        raise ValueError(
+            "launch_local needs devices_per_process >= 1, as an integer or a list of "
+            f"one integer per process; got devices_per_process={devices_per_process!r}."
+        )
+    return [int(devices_per_process)] * int(num_processes)
+
+
 def _check_files(target: str, cwd: str | os.PathLike[str] | None) -> None:
     """Up front, not in every child after JAX starts: ``cwd`` is a directory and a
     file target exists (a relative one in ``cwd``, where the children look for it)."""
@@ -446,8 +474,7 @@ def _check_files(target: str, cwd: str | os.PathLike[str] | None) -> None:
 
 def _launch_once(
     target: str,
-    num_processes: int,
-    devices_per_process: int,
+    per_process: Sequence[int],
     *,
     port: int,
     deadline: float,
@@ -463,6 +490,7 @@ def _launch_once(
     Returns:
       The results, and whether process 0 found the port taken (the target never ran).
     """
+    num_processes = len(per_process)
     # (Entered in order, left in reverse: the directory is gone before a SIGTERM
     # ends this process.)
     with _SigtermUnwinds(), tempfile.TemporaryDirectory(prefix="reshard-launch-") as tmp:
@@ -500,7 +528,7 @@ def _launch_once(
                     coordinator=f"127.0.0.1:{port}",
                     num_processes=num_processes,
                     process_id=pid,
-                    devices_per_process=devices_per_process,
+                    devices_per_process=per_process[pid],
                     **seconds,
                     spec_path=spec_p,
                 )
