@@ -367,6 +367,32 @@ def test_plan_avoid_reads_surviving_replicas_only() -> None:
     assert out["stats"] == roundtrip(plan.stats.as_dict())
 
 
+def test_plan_devices_per_process_picks_senders_in_the_receivers_process() -> None:
+    # A source replicated on devices 0 and 6, destination rows on 5 and 7: each
+    # receiver reads the replica in its own process where there is one.
+    def senders(per_process: str) -> dict[str, int]:
+        out = run_here_json(
+            "plan", "--shape", "8,8", "--dtype", "float32", "--src-mesh", "2",
+            "--src-devices", "0,6", "--src-spec", "None,None", "--dst-mesh", "2",
+            "--dst-devices", "5,7", "--devices-per-process", per_process,
+        )  # fmt: skip
+        check_report(out)
+        return dict(out["stats"]["send_bytes"])
+
+    assert senders("4") == {"6": 256}  # processes 0-3 | 4-7: 5, 6 and 7 in one
+    assert senders("6,2") == {"0": 128, "6": 128}  # 0-5 | 6-7: 5 reads 0, 7 reads 6
+    assert senders("8") == {"0": 128, "6": 128}  # one process: either replica
+    res = run_here(
+        "plan", "--shape", "8,8", "--src-mesh", "2", "--src-devices", "0,6",
+        "--dst-mesh", "2", "--dst-devices", "5,7", "--devices-per-process", "4,2",
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert "device 6 is beyond the 6 devices that --devices-per-process 4,2" in res.stderr
+    res = run_here("plan", "--shape", "8", "--src-mesh", "2", "--dst-mesh", "2",
+                   "--devices-per-process", "4,0")  # fmt: skip
+    assert res.returncode == 2 and "'0' is not a whole number >= 1" in res.stderr
+
+
 def test_plan_notes_avoided_devices_that_hold_no_source_shard() -> None:
     args = ("plan", "--shape", "48,64", "--src-mesh", "2x4", "--src-axes", "r,f", "--src-spec",
             "f", "--dst-mesh", "6", "--dst-axes", "f", "--dst-spec", "f")  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import functools
+import itertools
 import json
 import math
 import re
@@ -290,8 +291,29 @@ def make_side(
     return Side(name, flag, mesh, axes, spec, devices, memory_kind)
 
 
+def process_sizes(text: str) -> tuple[int, ...]:
+    """Devices per process: one count for every process (``4``), or a count for each
+    process in turn (``6,2``: ids 0-5 and 6-7) (argparse type)."""
+    return tuple(positive_int(part) for part in text.split(","))
+
+
+def process_of(device: int, sizes: Sequence[int]) -> int:
+    """The process of synthetic device ``device``, with ``sizes`` devices per process
+    (``process_sizes``): ``device // sizes[0]`` for one count, else the process whose
+    run of ids holds it."""
+    if len(sizes) == 1:
+        return device // sizes[0]
+    ends = list(itertools.accumulate(sizes))
+    if device >= ends[-1]:
+        raise UsageError(
+            f"device {device} is beyond the {ends[-1]} devices that --devices-per-process "
+            f"{','.join(map(str, sizes))} gives its processes (ids 0-{ends[-1] - 1})"
+        )
+    return bisect.bisect_right(ends, device)
+
+
 def shard_specs(
-    side: Side, shape: tuple[int, ...], devices_per_process: int
+    side: Side, shape: tuple[int, ...], devices_per_process: Sequence[int]
 ) -> tuple[ShardSpec, ...]:
     """The planner's view of a synthetic side: device ids laid out row-major on the mesh."""
     try:
@@ -303,7 +325,7 @@ def shard_specs(
         ) from None
     positions = sorted(boxes)  # row-major, the order of Mesh(np.array(ids).reshape(mesh))
     return tuple(
-        ShardSpec(dev, side.memory_kind, dev // devices_per_process, boxes[pos])
+        ShardSpec(dev, side.memory_kind, process_of(dev, devices_per_process), boxes[pos])
         for dev, pos in zip(side.devices, positions, strict=True)
     )
 
@@ -337,7 +359,7 @@ def synthetic_plan(
     src: Side,
     dst: Side,
     avoid: tuple[int, ...],
-    devices_per_process: int,
+    devices_per_process: Sequence[int],
 ) -> Plan:
     """Plans ``count`` arrays of ``shape``/``dtype`` from ``src`` to ``dst``.
 
@@ -447,9 +469,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--devices-per-process",
-        type=positive_int,
+        type=process_sizes,
         metavar="N",
-        help="multi-controller: process of a device = id // this (default: one process)",
+        help="multi-controller: process of a device = id // N, or with a count per "
+        "process (e.g. 6,2: ids 0-5 and 6-7) the one whose ids hold it (default: one "
+        "process)",
     )
     add_output_arguments(p)
     p.add_argument("--pieces", action="store_true", help="with --json: list every piece")
@@ -480,7 +504,7 @@ def run(args: argparse.Namespace, console: Any) -> int:
         args.dst_memory_kind,
         rank,
     )
-    dpp = args.devices_per_process or (max(src.devices + dst.devices) + 1)
+    dpp = args.devices_per_process or (max(src.devices + dst.devices) + 1,)
     try:
         plan = synthetic_plan(shape, args.dtype, args.count, src, dst, args.avoid, dpp)
     except DataLossError as e:
