@@ -107,7 +107,7 @@ def as_bits(a: Any) -> np.ndarray:
     if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
         a = jax.random.key_data(a)
     a = np.asarray(a)
-    if a.dtype == ml_dtypes.int4:
+    if a.dtype in (ml_dtypes.int4, ml_dtypes.int2):
         return a.astype(np.int8)
     if a.dtype == bool:
         return a.view(np.uint8)

@@ -15,6 +15,7 @@ device-packed (the accelerator path, forced here on CPU).
 from __future__ import annotations
 
 import ast
+import collections
 import math
 import os
 import re
@@ -977,6 +978,60 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             check(y[k], v, dst)
             check(x[k], v, src)
 
+    def host_values_put_on_every_process() -> None:
+        # Host values put on devices of every process (a Python scalar, numpy arrays of
+        # several types, one in host memory) are checked for equality across processes
+        # by a digest each, and come out as jax.device_put types them. (jax.device_put
+        # all-gathers the whole value, over devices laid out as processes x local
+        # devices, which processes of different device counts cannot form; it also
+        # raises for NaNs and float64 values, and crashes on 2-bit types: below.)
+        uneven = len(set(collections.Counter(d.process_index for d in devs).values())) > 1
+        b = _ground_truth((n, 2 * n), np.float32, 7)
+        f64 = np.arange(n * 12, dtype=np.float64).reshape(2 * n, 6) / 7
+        bf = _ground_truth((5, 3 * n), jnp.bfloat16, 5)
+        i4 = _ground_truth((n, 2), jnp.int4, 6)
+        i2 = np.resize(np.array([-2, -1, 0, 1]), (3, n)).astype(jnp.int2)
+        x = {"py": 3, "f64": f64, "bf": bf, "i4": i4, "i2": i2, "one": np.ones(3, np.int8)}
+        dst = {
+            "py": ns(devs, ("a",), P()),
+            "f64": ns(devs, ("a",), P("a")),
+            "bf": ns(devs[::-1], ("a",), P(None, "a")),
+            "i4": ns(devs, ("a",), P("a"), "pinned_host"),
+            "i2": ns(devs, ("a",), P(None, "a")),
+            "one": ns(devs[-1:], ("a",), P()),  # one process's device: not checked
+            "arr": ns(devs[::-1], ("a",), P(None)),
+        }
+        x["arr"] = make(b, ns(devs[:1], ("a",), P()))
+        y = reshard.reshard(x, dst)
+        want = {
+            "py": (np.array(3, np.int32), True),
+            "f64": (f64.astype(np.float32), False),
+            "bf": (bf, False),
+            "i4": (i4, False),
+            "i2": (i2, False),
+            "one": (np.ones(3, np.int8), False),
+            "arr": (b, False),
+        }
+        for k, (host, weak) in want.items():
+            check(y[k], host, dst[k])
+            assert y[k].committed and y[k].dtype == host.dtype and y[k].weak_type == weak, k
+            assert y[k].aval == _compat.device_put_aval(host.shape, host.dtype, dst[k], weak), k
+            if not uneven and k in ("py", "i4", "one"):
+                # jax.device_put itself, where it can run, gives the same array. (Not
+                # for the others: jax 0.10 compares the values it gathers with == and
+                # raises that they differ for a NaN, or for a float64 value, which it
+                # compares with the float32 values it gathered; on int2 it crashes.)
+                same = jax.device_put(x[k], dst[k])
+                assert (y[k].aval, y[k].sharding) == (same.aval, same.sharding), k
+        # A value that differs between processes raises on every process, naming it,
+        # and leaves the processes in step.
+        try:
+            reshard.reshard({"v": np.full(4, me), "w": 1.5}, {"v": dst["py"], "w": dst["py"]})
+            raise AssertionError("no error for values that differ between processes")
+        except ValueError as e:
+            assert "leaf ['v']: the value to be put on devices of every process differs" in str(e)
+        move(b, ns(devs[:1], ("a",), P()), ns(devs[::-1], ("a",), P(None, "a")))
+
     def random_cases() -> None:
         # Seeded, so that every process draws the same cases: random device subsets
         # of every process, meshes, specs, shapes, element types and memory kinds.
@@ -1127,6 +1182,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             a_call_failing_on_one_process_is_not_paired_with_its_next,
             a_call_refused_on_one_process_fails_every_process_at_once,
             calls_in_another_order_raise_on_every_process,
+            host_values_put_on_every_process,
             random_cases,
             random_trees,
         )
@@ -1360,6 +1416,7 @@ SCENARIOS = [
     "a_call_failing_on_one_process_is_not_paired_with_its_next",
     "a_call_refused_on_one_process_fails_every_process_at_once",
     "calls_in_another_order_raise_on_every_process",
+    "host_values_put_on_every_process",
     "random_cases",
     "random_trees",
 ]
@@ -1420,6 +1477,25 @@ def test_random_cases_with_odd_counts_of_processes_and_devices(procs: int, devic
     assert len(results) == procs
     for r in results:
         want = {"random_cases": "ok"}
+        assert r.value == {"host": want, "device": want}, f"process {r.process_id}: {r.value}"
+
+
+@pytest.mark.timeout(150)
+def test_processes_with_different_device_counts() -> None:
+    # Hosts of different sizes (a trainer's of 3 devices, a sampler's of 1, ...): the
+    # random moves and trees between them, and host values put on devices of every
+    # process, which jax.device_put cannot do there (it fails to lay the devices out as
+    # processes x local devices, to check that the values agree).
+    only = ["host_values_put_on_every_process", "random_cases", "random_trees"]
+    results = launch_local(
+        f"{HERE}:_run_scenarios",
+        num_processes=3,
+        devices_per_process=[3, 1, 2],
+        args=[["host", "device"], only],
+        timeout_s=120,
+    )
+    for r in results:
+        want = {name: "ok" for name in only}
         assert r.value == {"host": want, "device": want}, f"process {r.process_id}: {r.value}"
 
 

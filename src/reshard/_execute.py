@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Callable, Iterable, Sequence, Set
 from typing import Any
 
@@ -328,9 +329,9 @@ def execute_plan(
     # may share their buffers.
     given = [i for i in host if isinstance(values[i], jax.Array)] if donate else []
     if host:
-        placed = jax.device_put(
+        placed = put_host_values(
+            [plan.leaves[i] for i in host],
             [values[i] for i in host],
-            [plan.leaves[i].dst_sharding for i in host],
             # (None would return an unchanged one itself: a copy, as every array.)
             may_alias=bool(may_alias is True and not given),
         )
@@ -458,6 +459,97 @@ def aliases(
         else:
             out.append(may_alias is True)
     return out
+
+
+def put_host_values(
+    leaves: Sequence[LeafInfo], values: Sequence[Any], may_alias: bool
+) -> list[jax.Array]:
+    """``jax.device_put`` of the host leaves' values (numpy arrays, Python scalars, key
+    arrays on shardings other than named ones) onto their destination shardings.
+
+    Across processes, for a value that is not a committed array put on devices of
+    every process, ``jax.device_put`` first checks that every process passes the same
+    value: it all-gathers the whole value over every device, laid out as processes x
+    local devices. That moves the value to every device once per process, waits on
+    devices the plan avoids, and fails where processes hold different numbers of
+    devices (jax 0.10: "cannot reshape array"). Such values are checked here instead,
+    a 16-byte digest each, gathered over one destination device per process, and put
+    on their devices from this process's copy, with the type, weak type and abstract
+    value ``jax.device_put`` gives them.
+
+    Raises:
+      ValueError: on every process, naming the leaves whose values differ between
+        processes.
+    """
+    shardings = [leaf.dst_sharding for leaf in leaves]
+    checked = _checked_across_processes(values, shardings)
+    if not checked:
+        return list(jax.device_put(list(values), shardings, may_alias=may_alias))
+    out: list[Any] = [None] * len(values)
+    rest = [i for i in range(len(values)) if i not in checked]
+    if rest:
+        placed = jax.device_put(
+            [values[i] for i in rest], [shardings[i] for i in rest], may_alias=may_alias
+        )
+        for i, arr in zip(rest, placed, strict=True):
+            out[i] = arr
+    # Each value as jax.device_put types it (an int becomes a weakly typed int32, a
+    # float64 a float32 unless x64 is on), uncommitted on this process's default device.
+    local = {i: jax.device_put(values[i]) for i in checked}
+    hosts = {i: np.array(x) for i, x in local.items()}
+    digests = b"".join(
+        hashlib.sha256(
+            repr((x.shape, str(x.dtype), x.weak_type)).encode() + hosts[i].tobytes()
+        ).digest()[:16]
+        for i, x in local.items()
+    )
+    # One destination device per process (every process has one: each checked value
+    # is put on devices of every process), the same choice on every process.
+    reps: dict[int, Any] = {}
+    used: set[Any] = {d for i in checked for d in shardings[i].device_set}
+    for d in sorted(used, key=lambda d: d.id):
+        reps.setdefault(d.process_index, d)
+    from . import _collective_executor
+
+    rows = _collective_executor._gather(
+        np.frombuffer(digests, np.uint32), [reps[p] for p in sorted(reps)]
+    ).reshape(len(reps), len(checked), -1)
+    differ = [i for k, i in enumerate(checked) if not (rows[:, k] == rows[0, k]).all()]
+    if differ:
+        where = ", ".join(leaves[i].path or "<root>" for i in differ)
+        raise ValueError(
+            f"{'leaf' if len(differ) == 1 else 'leaves'} {where}: the value to be put on "
+            "devices of every process differs between processes; every process must pass "
+            "the same value"
+        )
+    for i, x in local.items():
+        host, s = hosts[i], shardings[i]
+
+        def block(idx: Any, host: np.ndarray = host) -> np.ndarray:
+            return host[idx]  # type: ignore[no-any-return]
+
+        arr = jax.make_array_from_callback(host.shape, s, block, dtype=x.dtype)
+        aval = _compat.device_put_aval(host.shape, x.dtype, s, x.weak_type)
+        out[i] = _compat.finish(arr, aval, fresh=True)
+    return out
+
+
+def _checked_across_processes(values: Sequence[Any], shardings: Sequence[Sharding]) -> list[int]:
+    """Which of ``values`` ``jax.device_put`` would check for equality across processes:
+    anything but a committed array (or a key array), put on devices of every process."""
+    count = jax.process_count()
+    if count == 1:
+        return []
+    checked = []
+    for i, (v, s) in enumerate(zip(values, shardings, strict=True)):
+        if isinstance(v, jax.Array) and (
+            v.committed or jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+        ):
+            continue
+        devices: set[Any] = set(s.device_set)
+        if len({d.process_index for d in devices}) == count:
+            checked.append(i)
+    return checked
 
 
 def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
