@@ -116,7 +116,9 @@ def as_bits(a: Any) -> np.ndarray:
         if a.dtype.itemsize == 1
         else a.view(f"u{a.dtype.itemsize}")
         if a.dtype.itemsize <= 8
-        else a.view(np.uint64)
+        # (Each 16-byte element as two words, on a trailing axis: a 0-d array has no
+        # axis for the view to double.)
+        else np.ascontiguousarray(a)[..., np.newaxis].view(np.uint64)
     )
 
 

@@ -978,6 +978,15 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             check(y[k], v, dst)
             check(x[k], v, src)
 
+    def sixty_four_bit_types_with_x64_on() -> None:
+        # With jax_enable_x64 on (a Python int is then a 64-bit integer inside a
+        # program, where the device-packed program's looked-up starts are 32-bit).
+        with jax.enable_x64(True):
+            for dt in (np.int64, np.uint64, np.float64, np.complex128):
+                host = _ground_truth((48, 32), dt, 9)
+                move(host, ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t")))
+                move(host, ns(devs[1 : half + 1], ("f",), P(None, "f")), ns(devs, ("t",), P("t")))
+
     def host_values_put_on_every_process() -> None:
         # Host values put on devices of every process (a Python scalar, numpy arrays of
         # several types, one in host memory) are checked for equality across processes
@@ -1182,6 +1191,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             a_call_failing_on_one_process_is_not_paired_with_its_next,
             a_call_refused_on_one_process_fails_every_process_at_once,
             calls_in_another_order_raise_on_every_process,
+            sixty_four_bit_types_with_x64_on,
             host_values_put_on_every_process,
             random_cases,
             random_trees,
@@ -1416,6 +1426,7 @@ SCENARIOS = [
     "a_call_failing_on_one_process_is_not_paired_with_its_next",
     "a_call_refused_on_one_process_fails_every_process_at_once",
     "calls_in_another_order_raise_on_every_process",
+    "sixty_four_bit_types_with_x64_on",
     "host_values_put_on_every_process",
     "random_cases",
     "random_trees",

@@ -118,6 +118,51 @@ def test_random_collective_executor(pack_on_host, case, donate, seed):
         _collective_executor.PACK_ON_HOST = saved
 
 
+@settings(max_examples=30)
+@given(
+    case=cases(),
+    dtype=st.sampled_from(["float64", "int64", "uint64", "complex128"]),
+    executor=st.sampled_from(["host", "device", "collective-host", "collective-device"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_64_bit_types_with_x64_on(case, dtype, executor, seed):
+    # With jax_enable_x64 on, a Python int is a 64-bit integer inside a program: the
+    # device-packed program once mixed such constant starts with 32-bit looked-up ones
+    # in one dynamic_slice, which JAX refuses (an int64 array, fsdp -> tp).
+    from reshard import _collective_executor
+
+    src, dst, shape, _ = case
+    saved = _collective_executor.PACK_ON_HOST
+    _collective_executor.PACK_ON_HOST = executor == "collective-host"
+    try:
+        with jax.enable_x64(True):
+            run_case(src, dst, shape, dtype, executor=executor.split("-")[0], seed=seed)
+            # Host values: a Python int is a weakly typed int64, a float64 stays one.
+            rep = NamedSharding(dst.mesh, P(), memory_kind=dst.memory_kind)
+            y = reshard.reshard({"i": 3, "f": np.arange(3.0) / 3}, {"i": rep, "f": rep})
+            assert (y["i"].dtype, y["i"].weak_type) == (np.int64, True)
+            assert y["f"].dtype == np.float64
+    finally:
+        _collective_executor.PACK_ON_HOST = saved
+
+
+@pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])
+def test_64_bit_integers_relaid_across_devices_with_x64_on(monkeypatch, pack_on_host):
+    from reshard import _collective_executor
+
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    with jax.enable_x64(True):
+        truth = random_values(np.random.default_rng(0), (16, 24), "int64")
+        src = NamedSharding(mesh1([0, 1, 2, 3]), P("a"))
+        dst = NamedSharding(mesh1([4, 5, 6, 7]), P(None, "a"))
+        check_result(reshard.reshard(place(truth, src), dst, executor="collective"), truth, dst)
+        # The check of which types programs carry exactly runs its own such program:
+        # failing to run, it sent every float through host memory.
+        from reshard import _exact
+
+        assert _exact._check(DEVS[0], np.dtype(np.float32))
+
+
 def _with_logical_ids(draw, s):
     ids = tuple(draw(st.permutations(range(s.mesh.size))))
     return NamedSharding(s.mesh, s.spec, memory_kind=s.memory_kind, _logical_device_ids=ids)
@@ -806,4 +851,6 @@ def test_device_packed_tables_are_constants_where_equal_and_looked_up_once_each(
     for me in range(4):
         one, (first, second) = jax.jit(lookups)(np.int32(me))
         assert (int(one), first, int(second)) == (4 * me, 5, 4 * me)
-    assert seen == [(int, True, 1)]  # traced once; constants are Python ints
+    # Traced once; constants are 32-bit integers, as the looked-up offsets are (a
+    # Python int would be a 64-bit one with jax_enable_x64 on: mixed starts, refused).
+    assert seen == [(np.int32, True, 1)]

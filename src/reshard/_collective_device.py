@@ -155,15 +155,18 @@ class _Lookup:
         self.me = me
         self.memo: dict[tuple[str, bytes], jax.Array] = {}
 
-    def column(self, col: np.ndarray) -> int | bool | jax.Array:
+    def column(self, col: np.ndarray) -> np.int32 | bool | jax.Array:
         if (col == col[0]).all():
-            return col[0].item()
+            # A start as a 32-bit integer, the type of the looked-up ones: a Python int
+            # is a 64-bit one with jax_enable_x64 on, and dynamic_slice refuses starts
+            # of mixed types.
+            return col[0].item() if col.dtype == bool else np.int32(col[0])
         key = (col.dtype.str, col.tobytes())
         if key not in self.memo:
             self.memo[key] = lax.dynamic_index_in_dim(np.asarray(col), self.me, keepdims=False)
         return self.memo[key]
 
-    def row(self, table: np.ndarray) -> tuple[int | jax.Array, ...]:
+    def row(self, table: np.ndarray) -> tuple[np.int32 | bool | jax.Array, ...]:
         return tuple(self.column(table[:, k]) for k in range(table.shape[1]))
 
 

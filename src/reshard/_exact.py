@@ -96,11 +96,14 @@ def _programs_in_small(
 
     def moved(x: jax.Array, at: jax.Array) -> jax.Array:
         bits = local.to_bits(x)
-        pieces = [jax.lax.dynamic_slice(bits, (0, at[k]), (rows, half)) for k in (1, 0)]
+        # (Constant starts as 32-bit integers, as there: a Python int is a 64-bit one
+        # with jax_enable_x64 on, and dynamic_slice refuses starts of mixed types.)
+        zero = np.int32(0)
+        pieces = [jax.lax.dynamic_slice(bits, (zero, at[k]), (rows, half)) for k in (1, 0)]
         both = jnp.concatenate(pieces, axis=1)
         out = jax.lax.full(bits.shape, 0, bits.dtype)
-        out = jax.lax.dynamic_update_slice(out, both[:, half:], (0, at[0]))
-        out = jax.lax.dynamic_update_slice(out, both[:, :half], (0, at[1]))
+        out = jax.lax.dynamic_update_slice(out, both[:, half:], (zero, at[0]))
+        out = jax.lax.dynamic_update_slice(out, both[:, :half], (zero, at[1]))
         return local.from_bits(out, x.dtype)
 
     piece = np.ascontiguousarray(host[:, :half])
