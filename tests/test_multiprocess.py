@@ -1001,6 +1001,9 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         i4 = _ground_truth((n, 2), jnp.int4, 6)
         i2 = np.resize(np.array([-2, -1, 0, 1]), (3, n)).astype(jnp.int2)
         x = {"py": 3, "f64": f64, "bf": bf, "i4": i4, "i2": i2, "one": np.ones(3, np.int8)}
+        # Uncommitted arrays (each process's own, on its default device), as host values.
+        u = jnp.arange(2 * n, dtype=jnp.float32) / 3
+        x.update({"u": u, "weak": jnp.asarray(2.0), "step": jnp.int32(7)})
         dst = {
             "py": ns(devs, ("a",), P()),
             "f64": ns(devs, ("a",), P("a")),
@@ -1008,6 +1011,9 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             "i4": ns(devs, ("a",), P("a"), "pinned_host"),
             "i2": ns(devs, ("a",), P(None, "a")),
             "one": ns(devs[-1:], ("a",), P()),  # one process's device: not checked
+            "u": ns(devs[::-1], ("a",), P("a")),
+            "weak": ns(devs, ("a",), P(), "pinned_host"),
+            "step": ns(devs[1:], ("a",), P()),
             "arr": ns(devs[::-1], ("a",), P(None)),
         }
         x["arr"] = make(b, ns(devs[:1], ("a",), P()))
@@ -1019,13 +1025,16 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             "i4": (i4, False),
             "i2": (i2, False),
             "one": (np.ones(3, np.int8), False),
+            "u": (np.asarray(u), False),
+            "weak": (np.array(2.0, np.float32), True),
+            "step": (np.array(7, np.int32), False),
             "arr": (b, False),
         }
         for k, (host, weak) in want.items():
             check(y[k], host, dst[k])
             assert y[k].committed and y[k].dtype == host.dtype and y[k].weak_type == weak, k
             assert y[k].aval == _compat.device_put_aval(host.shape, host.dtype, dst[k], weak), k
-            if not uneven and k in ("py", "i4", "one"):
+            if not uneven and k in ("py", "i4", "one", "u", "weak", "step"):
                 # jax.device_put itself, where it can run, gives the same array. (Not
                 # for the others: jax 0.10 compares the values it gathers with == and
                 # raises that they differ for a NaN, or for a float64 value, which it
@@ -1034,11 +1043,12 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 assert (y[k].aval, y[k].sharding) == (same.aval, same.sharding), k
         # A value that differs between processes raises on every process, naming it,
         # and leaves the processes in step.
-        try:
-            reshard.reshard({"v": np.full(4, me), "w": 1.5}, {"v": dst["py"], "w": dst["py"]})
-            raise AssertionError("no error for values that differ between processes")
-        except ValueError as e:
-            assert "leaf ['v']: the value to be put on devices of every process differs" in str(e)
+        for v in (np.full(4, me), jnp.full(4, me)):
+            try:
+                reshard.reshard({"v": v, "w": 1.5}, {"v": dst["py"], "w": dst["py"]})
+                raise AssertionError("no error for values that differ between processes")
+            except ValueError as e:
+                assert "leaf ['v']: the value to be put on devices of every process" in str(e)
         move(b, ns(devs[:1], ("a",), P()), ns(devs[::-1], ("a",), P(None, "a")))
 
     def random_cases() -> None:

@@ -318,9 +318,14 @@ def _quick_key(x: Any, sharding: Any, executor: str, avoid: frozenset[int]) -> _
             if s_def != treedef:  # type: ignore[operator]
                 return None
         entries = []
+        # (Across processes an uncommitted array is placed like a host value: the full
+        # path tells them apart.)
+        uncommitted_too = jax.process_count() == 1
         v: Any
         for v, s in zip(values, dst, strict=True):
             if type(v) is not array_type or not isinstance(s, Sharding) or v.is_deleted():
+                return None
+            if not (uncommitted_too or v.committed):
                 return None
             entries.append((v.shape, v.dtype, v.sharding, s))
         return _Key((treedef, tuple(entries), executor, avoid))
@@ -481,6 +486,12 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
                 "pass live arrays"
             )
         shape, dtype, src = tuple(v.shape), v.dtype, v.sharding
+        if not v.committed and jax.process_count() > 1:
+            # An uncommitted array (``jnp.arange(8)``, a step counter) lives on each
+            # process's own default device: across processes jax.device_put takes it as
+            # that process's value, as it takes a host value, and so does reshard.
+            _check_destination(where, shape, dst)
+            return LeafInfo(path, HOST, shape, dtype, None, dst)
         if isinstance(src, NamedSharding) and _compat.unreduced_axes(src):
             _check_concrete(where, "source", src)
     elif isinstance(v, jax.ShapeDtypeStruct):

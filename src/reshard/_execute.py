@@ -465,7 +465,8 @@ def put_host_values(
     leaves: Sequence[LeafInfo], values: Sequence[Any], may_alias: bool
 ) -> list[jax.Array]:
     """``jax.device_put`` of the host leaves' values (numpy arrays, Python scalars, key
-    arrays on shardings other than named ones) onto their destination shardings.
+    arrays on shardings other than named ones, and across processes uncommitted
+    arrays) onto their destination shardings.
 
     Across processes, for a value that is not a committed array put on devices of
     every process, ``jax.device_put`` first checks that every process passes the same
