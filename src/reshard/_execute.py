@@ -471,7 +471,7 @@ def put_host_values(
     Across processes, for a value that is not a committed array put on devices of
     every process, ``jax.device_put`` first checks that every process passes the same
     value: it all-gathers the whole value over every device, laid out as processes x
-    local devices. That moves the value to every device once per process, waits on
+    local devices. That moves the value to every device once per process, involves
     devices the plan avoids, and fails where processes hold different numbers of
     devices (jax 0.10: "cannot reshape array"). Such values are checked here instead,
     a 16-byte digest each, gathered over one destination device per process, and put
@@ -494,15 +494,10 @@ def put_host_values(
         )
         for i, arr in zip(rest, placed, strict=True):
             out[i] = arr
-    # Each value as jax.device_put types it (an int becomes a weakly typed int32, a
-    # float64 a float32 unless x64 is on), uncommitted on this process's default device.
-    local = {i: jax.device_put(values[i]) for i in checked}
-    hosts = {i: np.array(x) for i, x in local.items()}
+    forms = {i: _host_form(values[i]) for i in checked}
     digests = b"".join(
-        hashlib.sha256(
-            repr((x.shape, str(x.dtype), x.weak_type)).encode() + hosts[i].tobytes()
-        ).digest()[:16]
-        for i, x in local.items()
+        hashlib.sha256(repr((h.shape, str(h.dtype), weak)).encode() + h.tobytes()).digest()[:16]
+        for h, weak in forms.values()
     )
     # One destination device per process (every process has one: each checked value
     # is put on devices of every process), the same choice on every process.
@@ -523,16 +518,28 @@ def put_host_values(
             "devices of every process differs between processes; every process must pass "
             "the same value"
         )
-    for i, x in local.items():
-        host, s = hosts[i], shardings[i]
+    for i, (host, weak) in forms.items():
+        s = shardings[i]
 
         def block(idx: Any, host: np.ndarray = host) -> np.ndarray:
             return host[idx]  # type: ignore[no-any-return]
 
-        arr = jax.make_array_from_callback(host.shape, s, block, dtype=x.dtype)
-        aval = _compat.device_put_aval(host.shape, x.dtype, s, x.weak_type)
+        arr = jax.make_array_from_callback(host.shape, s, block, dtype=host.dtype)
+        aval = _compat.device_put_aval(host.shape, host.dtype, s, weak)
         out[i] = _compat.finish(arr, aval, fresh=True)
     return out
+
+
+def _host_form(v: Any) -> tuple[np.ndarray, bool]:
+    """``v`` in host memory as ``jax.device_put`` types it (a float64 array becomes a
+    float32 one unless x64 is on; a Python int a weakly typed int32), and its weak type.
+    A numpy value is converted on the host, not put whole on one device first."""
+    if isinstance(v, jax.Array):  # uncommitted, on this process's default device
+        return np.asarray(v), bool(v.weak_type)
+    if isinstance(v, np.ndarray | np.generic):
+        return np.asarray(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype)), False
+    x = jax.device_put(v)  # a Python scalar: JAX's own weak typing
+    return np.asarray(x), bool(x.weak_type)
 
 
 def _checked_across_processes(values: Sequence[Any], shardings: Sequence[Sharding]) -> list[int]:
