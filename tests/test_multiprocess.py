@@ -1299,6 +1299,28 @@ def _skip_a_reshard(skipper: int, limit_s: float, pack_on_host: bool, change: bo
     jax.block_until_ready(reshard.reshard(x, b, cache_resharding_plans=True))
 
 
+def _skip_a_host_value_call(limit_s: float) -> None:
+    """Every process puts a host value on devices of every process once; then process
+    1 gets stuck instead of making the second such call, and process 0 waits for it in
+    the values' check with the watchdog on."""
+    import os
+    import time
+
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import reshard
+
+    os.environ["RESHARD_COLLECTIVE_TIMEOUT_S"] = str(limit_s)
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("a",)), P())
+    jax.block_until_ready(reshard.reshard({"step": 3}, everywhere))
+    print("first call done", flush=True)
+    if jax.process_index() == 1:
+        time.sleep(90)
+    jax.block_until_ready(reshard.reshard({"step": 4}, everywhere))
+
+
 # --- tests -------------------------------------------------------------------------
 
 
@@ -1364,6 +1386,31 @@ def test_a_process_skipping_a_call_ends_every_process_with_the_watchdog_on(
         assert r.duration_s < limit_s + 30, described
     # The stuck process learned that its peers are gone long before its sleep ended.
     assert results[2].duration_s < 60, described
+
+
+@pytest.mark.timeout(120)
+def test_a_process_skipping_a_host_value_call_ends_the_others_with_the_watchdog_on() -> None:
+    # Host values put on devices of every process are checked by a collective: a
+    # process that skips the call leaves the others in it, which the watchdog ends.
+    from reshard._collective_executor import TIMEOUT_EXIT_CODE
+
+    limit_s = 4.0
+    results = launch_local(
+        f"{HERE}:_skip_a_host_value_call",
+        num_processes=2,
+        devices_per_process=1,
+        args=[limit_s],
+        check=False,
+        heartbeat_timeout_s=5,
+        peer_failure_grace_s=60,
+        timeout_s=100,
+    )
+    described = [r.describe() for r in results]
+    assert all("first call done" in r.stdout for r in results), described
+    assert results[0].returncode == TIMEOUT_EXIT_CODE, described
+    assert "RESHARD_COLLECTIVE_TIMEOUT_S" in results[0].stderr, described
+    assert results[0].duration_s < limit_s + 30, described
+    assert not results[1].ok and results[1].duration_s < 60, described  # its peer is gone
 
 
 def _skip_a_first_run(wait_s: float) -> str:

@@ -505,11 +505,14 @@ def put_host_values(
     used: set[Any] = {d for i in checked for d in shardings[i].device_set}
     for d in sorted(used, key=lambda d: d.id):
         reps.setdefault(d.process_index, d)
-    from . import _collective_executor
+    from . import _collective_executor as collective
 
-    rows = _collective_executor._gather(
-        np.frombuffer(digests, np.uint32), [reps[p] for p in sorted(reps)]
-    ).reshape(len(reps), len(checked), -1)
+    # (A process that skipped this call leaves the others waiting in the gather: the
+    # watchdog of RESHARD_COLLECTIVE_TIMEOUT_S bounds that, as for the transfers.)
+    with collective.watchdog(collective.collective_timeout_s()):
+        rows = collective._gather(
+            np.frombuffer(digests, np.uint32), [reps[p] for p in sorted(reps)]
+        ).reshape(len(reps), len(checked), -1)
     differ = [i for k, i in enumerate(checked) if not (rows[:, k] == rows[0, k]).all()]
     if differ:
         where = ", ".join(leaves[i].path or "<root>" for i in differ)
