@@ -318,15 +318,12 @@ def _quick_key(x: Any, sharding: Any, executor: str, avoid: frozenset[int]) -> _
             if s_def != treedef:  # type: ignore[operator]
                 return None
         entries = []
-        # (Across processes an uncommitted array is placed like a host value: the full
-        # path tells them apart.)
-        uncommitted_too = jax.process_count() == 1
         v: Any
         for v, s in zip(values, dst, strict=True):
             if type(v) is not array_type or not isinstance(s, Sharding) or v.is_deleted():
                 return None
-            if not (uncommitted_too or v.committed):
-                return None
+            if not v.committed and jax.process_count() > 1:
+                return None  # placed like a host value there (``_leaf_info``)
             entries.append((v.shape, v.dtype, v.sharding, s))
         return _Key((treedef, tuple(entries), executor, avoid))
     except (ValueError, TypeError):

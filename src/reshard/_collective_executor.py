@@ -35,7 +35,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -467,10 +467,9 @@ def agree(program: CollectiveProgram) -> None:
     else:
         # One device per process, none avoided (a process with no device left runs
         # none of the plan's programs, and takes no part).
-        reps: dict[int, Any] = {}
-        for d in sorted(jax.devices(program.platform), key=lambda d: d.id):
-            if d.id not in program.avoid:
-                reps.setdefault(d.process_index, d)
+        reps = one_per_process(
+            d for d in jax.devices(program.platform) if d.id not in program.avoid
+        )
         if jax.process_index() not in reps:
             return
         mine = np.frombuffer(digest, np.uint32)
@@ -599,6 +598,15 @@ def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
             client.key_value_delete(_key(_posted[0], me))
         del _posted[0]
     return everyone
+
+
+def one_per_process(devices: Iterable[Any]) -> dict[int, Any]:
+    """Per process, the device of lowest id among ``devices``: the same choice on every
+    process for the same devices (one device per process for ``_gather``)."""
+    reps: dict[int, Any] = {}
+    for d in sorted(devices, key=lambda d: d.id):
+        reps.setdefault(d.process_index, d)
+    return reps
 
 
 def _gather(mine: np.ndarray, devices: Sequence[Any]) -> np.ndarray:

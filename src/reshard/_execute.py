@@ -499,13 +499,11 @@ def put_host_values(
         hashlib.sha256(repr((h.shape, str(h.dtype), weak)).encode() + h.tobytes()).digest()[:16]
         for h, weak in forms.values()
     )
-    # One destination device per process (every process has one: each checked value
-    # is put on devices of every process), the same choice on every process.
-    reps: dict[int, Any] = {}
-    used: set[Any] = {d for i in checked for d in shardings[i].device_set}
-    for d in sorted(used, key=lambda d: d.id):
-        reps.setdefault(d.process_index, d)
     from . import _collective_executor as collective
+
+    # One destination device per process (every process has one: each checked value
+    # is put on devices of every process).
+    reps = collective.one_per_process({d for i in checked for d in shardings[i].device_set})
 
     # (A process that skipped this call leaves the others waiting in the gather: the
     # watchdog of RESHARD_COLLECTIVE_TIMEOUT_S bounds that, as for the transfers.)
