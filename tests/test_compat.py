@@ -34,6 +34,54 @@ def test_device_order_and_buffers(private):
         np.testing.assert_array_equal(np.asarray(buf), np.arange(16.0).reshape(4, 4)[index[dev]])
 
 
+def test_shards_read_from_several_threads_at_once(private):
+    # jaxlib 0.10.2 makes an array's list of shards when first asked, and threads asking
+    # at once left arrays with 2 of their 6 shards, or 12 (the collective executor's
+    # copy threads met it: ``KeyError`` for a device of the source, 1 demo in ~10).
+    # Garbage collections that switch threads, made frequent, widen that window: without
+    # the lock in ``device_buffers`` nearly every round here went wrong.
+    import gc
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = NamedSharding(Mesh(np.array(DEVS[:6]), ("a",)), P("a"))
+    truth = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+    base = place(truth, s)
+    index = s.devices_indices_map(truth.shape)
+    threads = 4
+
+    def switch(phase: str, info: dict) -> None:
+        if phase == "start":
+            time.sleep(0)  # (lets another thread run, mid-collection)
+
+    old = gc.get_threshold()
+    gc.set_threshold(5, 1, 1)
+    gc.callbacks.append(switch)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for _ in range(40):
+                x = jax.make_array_from_single_device_arrays(
+                    truth.shape, s, [sh.data for sh in base.addressable_shards]
+                )
+                barrier = threading.Barrier(threads)
+
+                def read(x=x, barrier=barrier) -> dict:
+                    _ = [[i] for i in range(50)]  # (garbage, for collections)
+                    barrier.wait()
+                    return _compat.device_buffers(x)
+
+                for got in [f.result() for f in [pool.submit(read) for _ in range(threads)]]:
+                    assert sorted(got) == sorted(d.id for d in DEVS[:6])
+                    for dev_id, buf in got.items():
+                        assert buf.devices() == {DEVS[dev_id]}
+                        np.testing.assert_array_equal(np.asarray(buf), truth[index[DEVS[dev_id]]])
+                assert len(x.addressable_shards) == 6  # the array itself left whole
+    finally:
+        gc.callbacks.remove(switch)
+        gc.set_threshold(*old)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn", "int4"])
 def test_host_views_are_the_buffers_themselves_read_only(private, dtype):
     # Types numpy does not know (kind "V") take JAX's conversion directly on the

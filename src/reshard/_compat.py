@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -173,15 +174,26 @@ def reduced_axes(sharding: Sharding) -> frozenset[Any]:
     return frozenset(getattr(spec, "reduced", None) or ())
 
 
+# jaxlib (0.10.2) makes an array's list of single-device arrays (``_arrays``, which
+# ``addressable_shards`` reads) when first asked for, and two threads asking at once
+# can leave the array with a wrong list for good: measured with 6 shards, 2 of them or
+# all 6 twice (12). The collective executor reads its sources' shards from its copy
+# threads, and its user's threads may reshard one array at once: every read here holds
+# this lock. (Re-entrant: a finalizer run by the garbage collector inside may read too.)
+_shards_lock = threading.RLock()
+
+
 def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
-    """Map from device id to the single-device array ``x`` holds there (this process)."""
-    if USE_PRIVATE and _assignment_known(x.sharding):
-        arrays = getattr(x, "_arrays", None)
-        if arrays is not None:
-            devs = addressable_devices(x.sharding)
-            if len(devs) == len(arrays):
-                return {d.id: a for d, a in zip(devs, arrays, strict=True)}
-    return {s.device.id: s.data for s in x.addressable_shards}
+    """Map from device id to the single-device array ``x`` holds there (this process).
+    Safe to call from several threads at once (see ``_shards_lock``)."""
+    with _shards_lock:
+        if USE_PRIVATE and _assignment_known(x.sharding):
+            arrays = getattr(x, "_arrays", None)
+            if arrays is not None:
+                devs = addressable_devices(x.sharding)
+                if len(devs) == len(arrays):
+                    return {d.id: a for d, a in zip(devs, arrays, strict=True)}
+        return {s.device.id: s.data for s in x.addressable_shards}
 
 
 def buffer_keys(x: jax.Array) -> dict[tuple[int, int], jax.Array]:
