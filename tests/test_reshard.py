@@ -854,3 +854,55 @@ def test_device_packed_tables_are_constants_where_equal_and_looked_up_once_each(
     # Traced once; constants are 32-bit integers, as the looked-up offsets are (a
     # Python int would be a 64-bit one with jax_enable_x64 on: mixed starts, refused).
     assert seen == [(np.int32, True, 1)]
+
+
+def test_calls_from_several_threads_at_once():
+    # A server may push weights from several threads: calls on one input, on new array
+    # objects over its buffers (whose shard lists jaxlib makes on first access, not
+    # safely across threads: see _compat.device_buffers), with every executor, must
+    # each give the exact result and leave the input whole.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(7)
+    truth = {f"w{i}": rng.standard_normal((64, 48)).astype(np.float32) for i in range(4)}
+    truth["b"] = rng.integers(-(2**31), 2**31 - 1, (48,), dtype=np.int32)
+    src_mesh = Mesh(np.array(DEVS[:4]), ("a",))
+    x = {k: place(v, NamedSharding(src_mesh, P("a"))) for k, v in truth.items()}
+    meshes_ = [
+        Mesh(np.array(DEVS[4:]).reshape(2, 2), ("a", "b")),
+        Mesh(np.array(DEVS), ("a",)),
+        src_mesh,
+    ]
+    dsts = [
+        NamedSharding(meshes_[0], P("a", "b")),
+        NamedSharding(meshes_[1], P(None, "a")),
+        NamedSharding(meshes_[2], P(None, "a")),
+    ]
+    threads = 3
+    barrier = threading.Barrier(threads)
+
+    def work(k: int) -> int:
+        barrier.wait()
+        done = 0
+        for it in range(6):
+            d = dsts[(k + it) % len(dsts)]
+            want = {n: d if v.ndim == 2 else NamedSharding(d.mesh, P()) for n, v in truth.items()}
+            for executor in ("host", "device", "collective"):
+                arg = {
+                    n: jax.make_array_from_single_device_arrays(
+                        v.shape, v.sharding, [s.data for s in v.addressable_shards]
+                    )
+                    for n, v in x.items()
+                }
+                out = reshard.reshard(arg, want, executor=executor)
+                for n, y in out.items():
+                    check_result(y, truth[n], want[n])
+                    done += 1
+        return done
+
+    with ThreadPoolExecutor(threads) as pool:
+        counts = [f.result() for f in [pool.submit(work, k) for k in range(threads)]]
+    assert counts == [6 * 3 * len(truth)] * threads
+    for n, v in x.items():
+        check_result(v, truth[n], NamedSharding(src_mesh, P("a")))
