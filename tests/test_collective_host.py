@@ -590,3 +590,33 @@ def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
     common._calls_started = 9
     ce.refuse_call(ValueError(long))  # a long message is cut
     assert store.kv["reshard/agree/9/0"] == "!" + ("ValueError: " + long)[:2000] + " ..."
+
+
+@pytest.mark.parametrize("kept_on_device", [False, True])
+def test_kept_shards_off_cpu_are_no_part_of_the_host_schedule(kept_on_device) -> None:
+    """Host-packed off CPU (``KEPT_ON_DEVICE``), a shard a destination keeps as it is on
+    its device is copied there by PjRt at the end: the schedule neither copies it through
+    host memory nor makes a destination block for it; the moved shards still go by it."""
+    from reshard import _collective_executor as ce
+
+    devs = np.array(jax.devices())
+    mesh = jax.sharding.Mesh(devs, ("a",))
+    traded = jax.sharding.Mesh(devs[[0, 1, 2, 3, 7, 6, 5, 4]], ("a",))
+    src = NamedSharding(mesh, jax.sharding.PartitionSpec("a"))
+    dst = NamedSharding(traded, jax.sharding.PartitionSpec("a"))
+    x = jax.ShapeDtypeStruct((64, 8), np.float32, sharding=src)
+    p = reshard.plan(x, dst, executor="collective", cache=False)
+    program = ce.CollectiveProgram(
+        p.leaf_plans, [np.float32], alias=[False], pack_on_host=True, kept_on_device=kept_on_device
+    )
+    # (One process: the traded rows of devices 4-7 are copies within it, through host.)
+    local_blocks = {pos for per_pos in program.host.local_copies for pos in per_pos}
+    stays = {program.position[d.id] for d in devs[:4]}  # (devices 0-3 keep their rows)
+    traded_pos = {program.position[d.id] for d in devs[4:]}
+    assert program.copy_kept == (kept_on_device,)
+    assert set(program.reused[0]) == (stays if kept_on_device else set())
+    assert local_blocks == traded_pos | (set() if kept_on_device else stays)
+    made = host._destinations(program, [dst])
+    assert {pos for pos, m in made.items() if m} == traded_pos | (
+        set() if kept_on_device else stays
+    )

@@ -311,8 +311,15 @@ def test_donating_copies_what_small_arrays_keep_and_hands_big_ones_over(
     assert [pointers(y["big"])[d] for d in stays] == [before["big"][d] for d in stays]
 
 
-@pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
+@pytest.mark.parametrize(
+    "executor,pack_on_host",
+    [*EXECUTORS, ("collective", "kept-on-device")],
+    ids=[*EXECUTOR_IDS, "host-packed-kept-on-device"],
+)
 def test_outputs_share_buffers_with_the_input_only_where_asked(monkeypatch, executor, pack_on_host):
+    if pack_on_host == "kept-on-device":  # kept shards copied by PjRt, as off CPU
+        monkeypatch.setattr(_collective_executor, "KEPT_ON_DEVICE", True)
+        pack_on_host = True
     if pack_on_host is not None:
         monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
     src, traded = sharding(range(8)), sharding(TRADED)

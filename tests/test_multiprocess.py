@@ -1213,8 +1213,9 @@ def _run_scenarios(
     packs: Sequence[str], only: Sequence[str] | None = None
 ) -> dict[str, dict[str, str]]:
     """Runs every scenario (or those named in ``only``) in this process, once per
-    packing in ``packs`` ("host", "device"), one after the other in one launch (a
-    launch costs seconds); returns packing -> name -> "ok" or the traceback."""
+    packing in ``packs`` ("host", "device", or "host-kept": host-packed with kept shards
+    copied by PjRt, as off CPU), one after the other in one launch (a launch costs
+    seconds); returns packing -> name -> "ok" or the traceback."""
     import jax
 
     from reshard import _collective_executor
@@ -1222,7 +1223,8 @@ def _run_scenarios(
     assert jax.process_count() > 1
     reports: dict[str, dict[str, str]] = {}
     for pack in packs:
-        _collective_executor.PACK_ON_HOST = pack == "host"
+        _collective_executor.PACK_ON_HOST = pack != "device"
+        _collective_executor.KEPT_ON_DEVICE = True if pack == "host-kept" else None
         report = reports[pack] = {}
         for name, fn in _scenarios().items():
             if only is not None and name not in only:
@@ -1555,17 +1557,19 @@ def test_processes_with_different_device_counts() -> None:
     # process, which jax.device_put cannot do there (it fails to lay the devices out as
     # processes x local devices, to check that the values agree).
     # (random_trees moves 1-4 random arrays per tree, within and across processes.)
+    # Also host-packed with kept shards copied by PjRt, as off CPU (KEPT_ON_DEVICE).
     only = ["host_values_put_on_every_process", "random_trees"]
+    packs = ["host", "device", "host-kept"]
     results = launch_local(
         f"{HERE}:_run_scenarios",
         num_processes=3,
         devices_per_process=[3, 1, 2],
-        args=[["host", "device"], only],
+        args=[packs, only],
         timeout_s=120,
     )
     for r in results:
         want = {name: "ok" for name in only}
-        assert r.value == {"host": want, "device": want}, f"process {r.process_id}: {r.value}"
+        assert r.value == dict.fromkeys(packs, want), f"process {r.process_id}: {r.value}"
 
 
 def _many_small_stages(reps: int) -> list[bool]:

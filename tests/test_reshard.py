@@ -102,20 +102,26 @@ def test_random_device_executor(case, donate, seed):
 
 @settings(max_examples=25)
 @given(case=cases(), donate=st.booleans(), seed=st.integers(0, 2**16))
-@pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])
-def test_random_collective_executor(pack_on_host, case, donate, seed):
-    # The multi-controller executor in one process: both packings, random bits.
+@pytest.mark.parametrize(
+    "pack_on_host,kept_on_device",
+    [(True, None), (True, True), (False, None)],
+    ids=["host-packed", "host-packed-kept-on-device", "device-packed"],
+)
+def test_random_collective_executor(pack_on_host, kept_on_device, case, donate, seed):
+    # The multi-controller executor in one process: both packings, random bits; and
+    # host-packed with kept shards copied by PjRt, as off CPU (KEPT_ON_DEVICE).
     from reshard import _collective_executor
 
-    saved = _collective_executor.PACK_ON_HOST
+    saved = _collective_executor.PACK_ON_HOST, _collective_executor.KEPT_ON_DEVICE
     _collective_executor.PACK_ON_HOST = pack_on_host
+    _collective_executor.KEPT_ON_DEVICE = kept_on_device
     try:
         src, dst, shape, dtype = case
         run_case(
             src, dst, shape, dtype, executor="collective", donate=donate, cache=True, seed=seed
         )
     finally:
-        _collective_executor.PACK_ON_HOST = saved
+        _collective_executor.PACK_ON_HOST, _collective_executor.KEPT_ON_DEVICE = saved
 
 
 @settings(max_examples=30)

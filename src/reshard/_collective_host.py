@@ -1120,7 +1120,27 @@ def run_host_packed(
     for f in pending:
         f.result()
     assert outs is not None
-    return [_output(program, li, sharding, outs, bufs) for li, sharding in enumerate(shardings)]
+    kept = _kept_shards(program, shardings, bufs)
+    return [_output(program, li, sharding, outs, kept) for li, sharding in enumerate(shardings)]
+
+
+def _kept_shards(
+    program: CollectiveProgram, shardings: Sequence[Any], bufs: _SourceBuffers
+) -> dict[tuple[int, int], jax.Array]:
+    """Per (array, position) of this process whose destination shard is a source shard
+    kept as it is: that buffer, handed over, or where the program copies kept shards on
+    their devices (``copy_kept``), its copy there (``local.copies_in_place``: a copy
+    program where it carries the type exactly, else PjRt)."""
+    kept: dict[tuple[int, int], jax.Array] = {}
+    for li, sharding in enumerate(shardings):
+        for d in _compat.addressable_devices(sharding):
+            src_pos = program.reused[li].get(program.position[d.id])
+            if src_pos is not None:
+                kept[li, program.position[d.id]] = bufs[li][program.devices[src_pos].id]
+    copy = [k for k in kept if program.copy_kept[k[0]]]
+    for k, c in zip(copy, local.copies_in_place([kept[k] for k in copy]), strict=True):
+        kept[k] = c
+    return kept
 
 
 def _output(
@@ -1128,20 +1148,19 @@ def _output(
     li: int,
     sharding: Any,
     outs: dict[int, dict[int, np.ndarray]],
-    bufs: _SourceBuffers,
+    kept: Mapping[tuple[int, int], jax.Array],
 ) -> jax.Array:
     """Destination array ``li``, of this process's destination blocks (zero-copy on
-    CPU) and of the source shards it keeps as they are."""
+    CPU) and of the source shards it keeps as they are (``_kept_shards``)."""
     shard_shape = box_shape(program.leaf_plans[li].spec.dst[0].box)
     parts: list[Any] = []
     devs = list(_compat.addressable_devices(sharding))
     for d in devs:
         pos = program.position[d.id]
-        src_pos = program.reused[li].get(pos)
-        if src_pos is not None:
+        buf = kept.get((li, pos))
+        if buf is not None:
             # (A jit output's empty shard may have the whole array's shape.)
-            kept = bufs[li][program.devices[src_pos].id]
-            parts.append(_compat.empty_as(kept, shard_shape, sharding.memory_kind))
+            parts.append(_compat.empty_as(buf, shard_shape, sharding.memory_kind))
         else:
             parts.append(outs[pos][li].reshape(shard_shape))
     return common.finish(program.leaf_plans[li], program.dtypes[li], sharding, parts, devs)
