@@ -573,9 +573,15 @@ def test_no_orphans_when_a_grandchild_ignores_sigterm_and_the_children_succeed(
                 os.kill(pid, signal.SIGKILL)
 
 
+# The launcher takes Ctrl-C as a terminal gives it. (A test run started in the
+# background by a shell without job control, `nohup pytest &`, ignores SIGINT, and so
+# would a launcher started from it: Python installs no KeyboardInterrupt then, and the
+# ctrl-c cases timed out.)
 _LAUNCHER_SCRIPT = textwrap.dedent(
     """
+    import signal
     import sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from reshard._launch import launch_local
     print("launching", flush=True)
     launch_local(sys.argv[1] + ":_target_spawn_and_sleep", 2, 1, args=[sys.argv[2]],
