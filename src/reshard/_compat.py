@@ -196,6 +196,13 @@ def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
         return {s.device.id: s.data for s in x.addressable_shards}
 
 
+def addressable_shards(x: jax.Array) -> list[Any]:
+    """``x.addressable_shards``, read under the lock of ``device_buffers`` (key arrays
+    too, which ``device_buffers`` does not take)."""
+    with _shards_lock:
+        return list(x.addressable_shards)
+
+
 def buffer_keys(x: jax.Array) -> dict[tuple[int, int], jax.Array]:
     """This process's buffers of ``x`` by ``(device id, address)``: what tells two
     arrays that share a buffer (one handed over to the other unchanged). Buffers of

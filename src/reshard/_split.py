@@ -389,7 +389,7 @@ def _assemble(
 def _shards_by_device(leaf: Leaf) -> dict[jax.Device, jax.Array]:
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return {}
-    return {shard.device: shard.data for shard in leaf.addressable_shards}
+    return {shard.device: shard.data for shard in _compat.addressable_shards(leaf)}
 
 
 # --------------------------------------------------------------------------- split
