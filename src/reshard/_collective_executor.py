@@ -156,7 +156,7 @@ class CollectiveProgram:
         of the fingerprint, so that two plans whose programs are alike still differ
         when processes call them in different orders.
       kept_on_device: host-packed: whether kept shards not handed over are copied on
-        their device by PjRt (``KEPT_ON_DEVICE``; ``None``: off CPU).
+        their device (``KEPT_ON_DEVICE``; ``None``: off CPU).
     """
 
     def __init__(
@@ -211,9 +211,10 @@ class CollectiveProgram:
             )
             # (Every process measures the same on the same platform: ``agree`` checks.)
             pack_on_host = bool(self.inexact)
-        # Per array, whether its kept shards are copied on their device by PjRt at the
-        # end (``KEPT_ON_DEVICE``) rather than by the schedule: the program then treats
-        # them as handed over (no copy, no destination block), as where ``alias``.
+        # Per array, whether its kept shards are copied on their device at the end
+        # (``KEPT_ON_DEVICE``) rather than through host memory by the schedule: the
+        # program then treats them as handed over (no copy, no destination block), as
+        # where ``alias``.
         on_device = (not on_cpu) if kept_on_device is None else kept_on_device
         self.copy_kept = tuple(pack_on_host and on_device and not a for a in alias)
         handed = tuple(a or c for a, c in zip(alias, self.copy_kept, strict=True))

@@ -197,8 +197,8 @@ def device_buffers(x: jax.Array) -> dict[int, jax.Array]:
 
 
 def addressable_shards(x: jax.Array) -> list[Any]:
-    """``x.addressable_shards``, read under the lock of ``device_buffers`` (key arrays
-    too, which ``device_buffers`` does not take)."""
+    """``x.addressable_shards`` (with each shard's device and index), read under the
+    lock of ``device_buffers``."""
     with _shards_lock:
         return list(x.addressable_shards)
 
