@@ -1263,3 +1263,36 @@ def test_uncached_plans_share_their_jobs_by_geometry(monkeypatch, executor):
     assert list(store) == ["a", "b"] and store.total == 5
     store.entry("d", lambda: "d", 10, 5)  # least recently used out to fit
     assert list(store) == ["b", "d"] and store.total == 4
+
+
+@pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])
+def test_collective_memory_kind_changes_in_place_take_no_program(monkeypatch, pack_on_host):
+    # Offloading to host memory on the devices the shards are on needs nothing from
+    # another process: PjRt copies each process's shards, and the collective program
+    # (its stages, its agreement check) is built for the other arrays only, or not at all.
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    devs = jax.devices()
+    mesh = Mesh(np.array(devs), ("a",))
+    on_device = NamedSharding(mesh, P("a"), memory_kind="device")
+    offloaded = NamedSharding(mesh, P("a"), memory_kind="pinned_host")
+    other = NamedSharding(Mesh(np.array(devs[::-1]), ("a",)), P(None, "a"))
+    truth = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    keys = lambda c: [k for k in c if isinstance(k, tuple) and k[0] == "collective_program"]  # noqa: E731
+
+    x = {"opt": place(truth, on_device)}
+    p = reshard.plan(x, {"opt": offloaded}, executor="collective", cache=False)
+    y = p.execute(x)
+    check_result(y["opt"], truth, offloaded)
+    assert keys(p._cache) == []
+    y = p.execute({"opt": place(truth, on_device)}, donate=True)
+    check_result(y["opt"], truth, offloaded)
+
+    x = {"opt": place(truth, offloaded), "w": place(truth, on_device)}
+    dst = {"opt": on_device, "w": other}
+    p = reshard.plan(x, dst, executor="collective", cache=False)
+    y = p.execute(x)
+    check_result(y["opt"], truth, on_device)
+    check_result(y["w"], truth, other)
+    (key,) = keys(p._cache)
+    assert key[-1] == (1,)  # the program moves "w" alone (index 1 of the tree's arrays)
+    check_result(x["opt"], truth, offloaded)  # inputs intact

@@ -336,6 +336,20 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             ns(devs, ("f",), P("f"), "device"),
             ns(devs[::-1], ("t",), P(None, "t"), "pinned_host"),
         )
+        # Offloaded and back on the devices the shards are on, across every process:
+        # each process copies its own shards (no program), alone and in a tree with an
+        # array that crosses processes (the program moves that one), donated too.
+        on_device = ns(devs, ("f",), P("f"), "device")
+        offloaded = ns(devs, ("f",), P("f"), "pinned_host")
+        move(a, on_device, offloaded)
+        move(a, offloaded, on_device)
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        for donate in (False, True):
+            tree = {"opt": make(a, on_device), "w": make(a, src)}
+            out = reshard.reshard(tree, {"opt": offloaded, "w": dst}, donate=donate)
+            check(out["opt"], a, offloaded)
+            check(out["w"], a, dst)
+            assert all(v.is_deleted() for v in tree.values()) == donate
 
     def output_is_what_device_put_returns() -> None:
         # Weakly typed input, host memory at the destination: the output is committed,

@@ -669,6 +669,7 @@ def run_collective(
     *,
     donate: bool,
     alias: Sequence[bool],
+    only: Sequence[int] | None = None,
 ) -> list[jax.Array]:
     """Executes ``plan`` with compiled collective programs; every process calls it.
 
@@ -683,6 +684,8 @@ def run_collective(
       donate: unused here: donation is the caller's last step, after every output exists.
       alias: per array, whether destination shards that equal a source shard at the
         same location are handed over unchanged (else copied); see ``_execute.aliases``.
+      only: the indices (among the plan's arrays) of the arrays given, where not all
+        of them are (the same on every process: decided from the plan alone).
 
     Returns:
       One array per source, committed to its destination sharding.
@@ -690,13 +693,18 @@ def run_collective(
     del donate  # never delete here: a failure must leave every input intact
     alias = tuple(alias)
     group_bytes = device_packed.GROUP_BYTES
-    key = ("collective_program", alias, PACK_ON_HOST, group_bytes, KEPT_ON_DEVICE)
+    picked = None if only is None else tuple(only)
+    key = ("collective_program", alias, PACK_ON_HOST, group_bytes, KEPT_ON_DEVICE, picked)
     program: CollectiveProgram | None = plan._cache.get(key)
     limit = collective_timeout_s() if jax.process_count() > 1 else 0.0
     with watchdog(limit):
         if program is None:
+            leaf_plans, planned = plan.leaf_plans, plan.planned_leaves
+            if picked is not None:
+                leaf_plans = [leaf_plans[j] for j in picked]
+                planned = [planned[j] for j in picked]
             program = CollectiveProgram(
-                plan.leaf_plans,
+                leaf_plans,
                 [s.dtype for s in sources],
                 alias=alias,
                 pack_on_host=PACK_ON_HOST,
@@ -705,7 +713,7 @@ def run_collective(
                 avoid=plan.avoid_devices,
                 platform=_platform(shardings),
                 described=(
-                    [(leaf.kind, str(leaf.dtype)) for leaf in plan.planned_leaves],
+                    [(leaf.kind, str(leaf.dtype)) for leaf in planned],
                     [getattr(x.sharding, "memory_kind", None) for x in sources],
                     [getattr(s, "memory_kind", None) for s in shardings],
                 ),

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable, Iterable, Sequence, Set
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -309,7 +309,28 @@ def execute_plan(
             raise NotImplementedError(
                 "the collective executor is not available in this build"
             ) from e
-        moved = run_collective(plan, sources, dst_shardings, donate=donate, alias=alias)
+        # Arrays that only change memory kind on the devices they are on need nothing
+        # from another process: each process copies its own shards by PjRt, batched
+        # (``_copied_whole``), after the program has moved the rest. (A failure of those
+        # copies is this process's alone, as of any copy after the program's status.)
+        local_j = set(_kind_changes_in_place(plan, dst_shardings))
+        rest = [j for j in range(len(planned)) if j not in local_j]
+        moved = cast(list[jax.Array], [None] * len(planned))
+        if rest:
+            got = run_collective(
+                plan,
+                [sources[j] for j in rest],
+                [dst_shardings[j] for j in rest],
+                donate=donate,
+                alias=[alias[j] for j in rest],
+                only=None if not local_j else rest,
+            )
+            for j, arr in zip(rest, got, strict=True):
+                moved[j] = arr
+        order = sorted(local_j)
+        copied = _compat.copy_shards([sources[j] for j in order], [dst_shardings[j] for j in order])
+        for j, arr in zip(order, copied, strict=True):
+            moved[j] = arr
     else:  # pragma: no cover - validated in plan()
         raise ValueError(f"unknown executor {plan.executor!r}")
 
@@ -585,6 +606,27 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
                 whole.append(j)
         plan._cache[key] = whole
     return whole
+
+
+def _kind_changes_in_place(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
+    """Those of ``_copied_whole`` whose every shard stays on its device (the memory
+    kind changes): within each process, whatever the plan's devices."""
+    key = f"kind_changes_in_place(private={_compat.USE_PRIVATE})"
+    found = plan._cache.get(key)
+    if found is None:
+        found = plan._cache[key] = [
+            j
+            for j in _copied_whole(plan, dst_shardings)
+            if [d.id for d in _compat.ordered_devices(_source_sharding(plan, j))]
+            == [d.id for d in _compat.ordered_devices(dst_shardings[j])]
+        ]
+    return found
+
+
+def _source_sharding(plan: Plan, j: int) -> Sharding:
+    src = plan.planned_leaves[j].src_sharding
+    assert src is not None  # (``_copied_whole`` takes no array without one)
+    return src
 
 
 @functools.lru_cache(maxsize=4096)
