@@ -723,6 +723,20 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 setattr(where, name, setting)
         check(x, a, src)
         check(reshard.reshard(x, same), a, same)
+        # An offload in place runs no program, but is still checked: process 0 asks
+        # for another memory kind than the others.
+        on_device = ns(devs, ("f",), P("f"), "device")
+        y = make(a, on_device)
+        try:
+            reshard.reshard(
+                y, ns(devs, ("f",), P("f"), "pinned_host" if me == 0 else "unpinned_host")
+            )
+            raise AssertionError("different memory kinds in place did not raise")
+        except ValueError as e:
+            assert "different arguments on different processes" in str(e), e
+        check(y, a, on_device)
+        offloaded = ns(devs, ("f",), P("f"), "pinned_host")
+        check(reshard.reshard(y, offloaded), a, offloaded)
 
     def calls_in_another_order_raise_on_every_process() -> None:
         # Two plans, each checked across processes on its first run, then called in

@@ -478,18 +478,21 @@ def agree(program: CollectiveProgram) -> None:
       ValueError: on every process, naming the processes that built each plan.
       RuntimeError: a process refused this call, or did not come in time.
     """
+    agree_on(program.fingerprint, program.platform, program.avoid)
+
+
+def agree_on(digest: bytes, platform: str | None, avoid: frozenset[int]) -> None:
+    """``agree`` for a fingerprint ``digest`` of what this process was asked to do (for a
+    call that builds no program: ``_execute``'s memory-kind changes in place)."""
     if jax.process_count() == 1:
         return
-    digest = program.fingerprint
     client = _compat.distributed_client()
     if client is not None:
         everyone = _exchange(client, digest)
     else:
         # One device per process, none avoided (a process with no device left runs
         # none of the plan's programs, and takes no part).
-        reps = one_per_process(
-            d for d in jax.devices(program.platform) if d.id not in program.avoid
-        )
+        reps = one_per_process(d for d in jax.devices(platform) if d.id not in avoid)
         if jax.process_index() not in reps:
             return
         mine = np.frombuffer(digest, np.uint32)

@@ -328,6 +328,11 @@ def execute_plan(
             for j, arr in zip(rest, got, strict=True):
                 moved[j] = arr
         order = sorted(local_j)
+        if not rest and plan.crosses_processes and not plan._cache.get("kinds agreed"):
+            # No program, so no program's check: the processes still compare what each
+            # was asked (once per plan), as for any call that crosses processes.
+            _agree_on_kind_changes(plan, sources, dst_shardings)
+            plan._cache["kinds agreed"] = True
         copied = _compat.copy_shards([sources[j] for j in order], [dst_shardings[j] for j in order])
         for j, arr in zip(order, copied, strict=True):
             moved[j] = arr
@@ -621,6 +626,29 @@ def _kind_changes_in_place(plan: Plan, dst_shardings: Sequence[Sharding]) -> lis
             == [d.id for d in _compat.ordered_devices(dst_shardings[j])]
         ]
     return found
+
+
+def _agree_on_kind_changes(
+    plan: Plan, sources: Sequence[jax.Array], dst_shardings: Sequence[Sharding]
+) -> None:
+    """The check across processes (``_collective_executor.agree``) of a call made only
+    of memory-kind changes in place: every array's type, shape, devices and memory
+    kinds on both sides, under the collective watchdog."""
+    from ._collective_executor import agree_on, collective_timeout_s, fingerprint, watchdog
+
+    def ids(s: Sharding) -> list[int]:
+        return [d.id for d in _compat.ordered_devices(s)]
+
+    what = (
+        "memory-kind changes in place",
+        [(leaf.kind, str(leaf.dtype), list(leaf.shape)) for leaf in plan.planned_leaves],
+        [(ids(x.sharding), str(x.sharding.memory_kind)) for x in sources],
+        [(ids(s), str(s.memory_kind)) for s in dst_shardings],
+    )
+    device: Any = next(iter(dst_shardings[0].device_set))
+    platform = str(device.platform)
+    with watchdog(collective_timeout_s()):
+        agree_on(fingerprint(what), platform, plan.avoid_devices)
 
 
 def _source_sharding(plan: Plan, j: int) -> Sharding:
