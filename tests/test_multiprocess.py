@@ -727,13 +727,15 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         # for another memory kind than the others.
         on_device = ns(devs, ("f",), P("f"), "device")
         y = make(a, on_device)
-        try:
-            reshard.reshard(
-                y, ns(devs, ("f",), P("f"), "pinned_host" if me == 0 else "unpinned_host")
-            )
-            raise AssertionError("different memory kinds in place did not raise")
-        except ValueError as e:
-            assert "different arguments on different processes" in str(e), e
+        differs = ns(devs, ("f",), P("f"), "pinned_host" if me == 0 else "unpinned_host")
+        # Alone, and in a tree with an array the program moves (the program's check
+        # covers the other one too).
+        for tree, dst in ((y, differs), ({"o": y, "w": x}, {"o": differs, "w": same})):
+            try:
+                reshard.reshard(tree, dst)
+                raise AssertionError("different memory kinds in place did not raise")
+            except ValueError as e:
+                assert "different arguments on different processes" in str(e), e
         check(y, a, on_device)
         offloaded = ns(devs, ("f",), P("f"), "pinned_host")
         check(reshard.reshard(y, offloaded), a, offloaded)

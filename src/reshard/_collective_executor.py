@@ -673,6 +673,7 @@ def run_collective(
     donate: bool,
     alias: Sequence[bool],
     only: Sequence[int] | None = None,
+    also: Any = (),
 ) -> list[jax.Array]:
     """Executes ``plan`` with compiled collective programs; every process calls it.
 
@@ -689,6 +690,8 @@ def run_collective(
         same location are handed over unchanged (else copied); see ``_execute.aliases``.
       only: the indices (among the plan's arrays) of the arrays given, where not all
         of them are (the same on every process: decided from the plan alone).
+      also: what else of the call the processes compare, with the program (the arrays
+        the caller moves without it).
 
     Returns:
       One array per source, committed to its destination sharding.
@@ -719,6 +722,7 @@ def run_collective(
                     [(leaf.kind, str(leaf.dtype)) for leaf in planned],
                     [getattr(x.sharding, "memory_kind", None) for x in sources],
                     [getattr(s, "memory_kind", None) for s in shardings],
+                    also,
                 ),
             )
             if plan.crosses_processes:  # (within one process, others make no such call)

@@ -324,6 +324,8 @@ def execute_plan(
                 donate=donate,
                 alias=[alias[j] for j in rest],
                 only=None if not local_j else rest,
+                # (The arrays copied here are part of what the processes compare.)
+                also=_kind_changes_described(plan, local_j, sources, dst_shardings),
             )
             for j, arr in zip(rest, got, strict=True):
                 moved[j] = arr
@@ -331,7 +333,7 @@ def execute_plan(
         if not rest and plan.crosses_processes and not plan._cache.get("kinds agreed"):
             # No program, so no program's check: the processes still compare what each
             # was asked (once per plan), as for any call that crosses processes.
-            _agree_on_kind_changes(plan, sources, dst_shardings)
+            _agree_on_kind_changes(plan, order, sources, dst_shardings)
             plan._cache["kinds agreed"] = True
         copied = _compat.copy_shards([sources[j] for j in order], [dst_shardings[j] for j in order])
         for j, arr in zip(order, copied, strict=True):
@@ -628,27 +630,47 @@ def _kind_changes_in_place(plan: Plan, dst_shardings: Sequence[Sharding]) -> lis
     return found
 
 
-def _agree_on_kind_changes(
-    plan: Plan, sources: Sequence[jax.Array], dst_shardings: Sequence[Sharding]
-) -> None:
-    """The check across processes (``_collective_executor.agree``) of a call made only
-    of memory-kind changes in place: every array's type, shape, devices and memory
-    kinds on both sides, under the collective watchdog."""
-    from ._collective_executor import agree_on, collective_timeout_s, fingerprint, watchdog
+def _kind_changes_described(
+    plan: Plan,
+    local: Iterable[int],
+    sources: Sequence[jax.Array],
+    dst_shardings: Sequence[Sharding],
+) -> list[Any]:
+    """What the processes compare of the arrays ``local`` (memory-kind changes in
+    place, which no program moves): index, type, shape, devices and memory kinds on
+    both sides."""
 
     def ids(s: Sharding) -> list[int]:
         return [d.id for d in _compat.ordered_devices(s)]
 
+    out: list[Any] = []
+    for j in sorted(local):
+        leaf, x, s = plan.planned_leaves[j], sources[j], dst_shardings[j]
+        out.append(
+            (j, leaf.kind, str(leaf.dtype), list(leaf.shape))
+            + (ids(x.sharding), str(x.sharding.memory_kind), ids(s), str(s.memory_kind))
+        )
+    return out
+
+
+def _agree_on_kind_changes(
+    plan: Plan,
+    local: Sequence[int],
+    sources: Sequence[jax.Array],
+    dst_shardings: Sequence[Sharding],
+) -> None:
+    """The check across processes (``_collective_executor.agree``) of a call made only
+    of memory-kind changes in place (``_kind_changes_described``), under the
+    collective watchdog."""
+    from ._collective_executor import agree_on, collective_timeout_s, fingerprint, watchdog
+
     what = (
         "memory-kind changes in place",
-        [(leaf.kind, str(leaf.dtype), list(leaf.shape)) for leaf in plan.planned_leaves],
-        [(ids(x.sharding), str(x.sharding.memory_kind)) for x in sources],
-        [(ids(s), str(s.memory_kind)) for s in dst_shardings],
+        _kind_changes_described(plan, local, sources, dst_shardings),
     )
     device: Any = next(iter(dst_shardings[0].device_set))
-    platform = str(device.platform)
     with watchdog(collective_timeout_s()):
-        agree_on(fingerprint(what), platform, plan.avoid_devices)
+        agree_on(fingerprint(what), str(device.platform), plan.avoid_devices)
 
 
 def _source_sharding(plan: Plan, j: int) -> Sharding:
