@@ -313,7 +313,8 @@ def execute_plan(
         # from another process: each process copies its own shards by PjRt, batched
         # (``_copied_whole``), after the program has moved the rest. (A failure of those
         # copies is this process's alone, as of any copy after the program's status.)
-        local_j = set(_kind_changes_in_place(plan, dst_shardings))
+        in_place, described = _kind_changes_in_place(plan, dst_shardings)
+        local_j = set(in_place)
         rest = [j for j in range(len(planned)) if j not in local_j]
         moved = cast(list[jax.Array], [None] * len(planned))
         if rest:
@@ -325,15 +326,15 @@ def execute_plan(
                 alias=[alias[j] for j in rest],
                 only=None if not local_j else rest,
                 # (The arrays copied here are part of what the processes compare.)
-                also=_kind_changes_described(plan, local_j, sources, dst_shardings),
+                also=described,
             )
             for j, arr in zip(rest, got, strict=True):
                 moved[j] = arr
-        order = sorted(local_j)
+        order = in_place  # (ascending)
         if not rest and plan.crosses_processes and not plan._cache.get("kinds agreed"):
             # No program, so no program's check: the processes still compare what each
             # was asked (once per plan), as for any call that crosses processes.
-            _agree_on_kind_changes(plan, order, sources, dst_shardings)
+            _agree_on_kind_changes(plan, described, dst_shardings)
             plan._cache["kinds agreed"] = True
         copied = _compat.copy_shards([sources[j] for j in order], [dst_shardings[j] for j in order])
         for j, arr in zip(order, copied, strict=True):
@@ -615,59 +616,44 @@ def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
     return whole
 
 
-def _kind_changes_in_place(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
+def _device_ids(s: Sharding) -> list[int]:
+    return [d.id for d in _compat.ordered_devices(s)]
+
+
+def _kind_changes_in_place(
+    plan: Plan, dst_shardings: Sequence[Sharding]
+) -> tuple[list[int], list[Any]]:
     """Those of ``_copied_whole`` whose every shard stays on its device (the memory
-    kind changes): within each process, whatever the plan's devices."""
+    kind changes): within each process, whatever the plan's devices. And what the
+    processes compare of them, since no program moves them: index, type, shape,
+    devices and memory kinds on both sides. Worked out once per plan."""
     key = f"kind_changes_in_place(private={_compat.USE_PRIVATE})"
     found = plan._cache.get(key)
     if found is None:
-        found = plan._cache[key] = [
-            j
-            for j in _copied_whole(plan, dst_shardings)
-            if [d.id for d in _compat.ordered_devices(_source_sharding(plan, j))]
-            == [d.id for d in _compat.ordered_devices(dst_shardings[j])]
-        ]
+        local: list[int] = []
+        described: list[Any] = []
+        for j in _copied_whole(plan, dst_shardings):
+            leaf, src, dst = plan.planned_leaves[j], _source_sharding(plan, j), dst_shardings[j]
+            ids = _device_ids(src)
+            if ids == _device_ids(dst):
+                local.append(j)
+                described.append(
+                    (j, leaf.kind, str(leaf.dtype), list(leaf.shape))
+                    + (ids, str(src.memory_kind), ids, str(dst.memory_kind))
+                )
+        found = plan._cache[key] = (local, described)
     return found
 
 
-def _kind_changes_described(
-    plan: Plan,
-    local: Iterable[int],
-    sources: Sequence[jax.Array],
-    dst_shardings: Sequence[Sharding],
-) -> list[Any]:
-    """What the processes compare of the arrays ``local`` (memory-kind changes in
-    place, which no program moves): index, type, shape, devices and memory kinds on
-    both sides."""
-
-    def ids(s: Sharding) -> list[int]:
-        return [d.id for d in _compat.ordered_devices(s)]
-
-    out: list[Any] = []
-    for j in sorted(local):
-        leaf, x, s = plan.planned_leaves[j], sources[j], dst_shardings[j]
-        out.append(
-            (j, leaf.kind, str(leaf.dtype), list(leaf.shape))
-            + (ids(x.sharding), str(x.sharding.memory_kind), ids(s), str(s.memory_kind))
-        )
-    return out
-
-
 def _agree_on_kind_changes(
-    plan: Plan,
-    local: Sequence[int],
-    sources: Sequence[jax.Array],
-    dst_shardings: Sequence[Sharding],
+    plan: Plan, described: list[Any], dst_shardings: Sequence[Sharding]
 ) -> None:
     """The check across processes (``_collective_executor.agree``) of a call made only
-    of memory-kind changes in place (``_kind_changes_described``), under the
-    collective watchdog."""
+    of memory-kind changes in place (``described`` by ``_kind_changes_in_place``),
+    under the collective watchdog."""
     from ._collective_executor import agree_on, collective_timeout_s, fingerprint, watchdog
 
-    what = (
-        "memory-kind changes in place",
-        _kind_changes_described(plan, local, sources, dst_shardings),
-    )
+    what = ("memory-kind changes in place", described)
     device: Any = next(iter(dst_shardings[0].device_set))
     with watchdog(collective_timeout_s()):
         agree_on(fingerprint(what), str(device.platform), plan.avoid_devices)
