@@ -924,6 +924,46 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             check(x, a, src)
             check(reshard.reshard(x, to), a, to)
 
+        # The copies within a process (a relayout over every device) fail on process 0:
+        # they are done before the last stage, which reports the failure, with many
+        # stages (the copies run beside the first ones) or one.
+        src, dst = ns(devs, ("f",), P("f")), ns(devs, ("t",), P(None, "t"))
+        x = make(a, src)
+        local_tasks = _collective_host._local_tasks
+
+        def failing_local_tasks(*args: Any) -> Any:
+            def fail() -> None:
+                raise MemoryError("injected: failure copying within the process")
+
+            return [(1, fail)]
+
+        for many in (True, False):
+            if many:
+                _collective_host.CHUNK_BYTES = _collective_host.STAGE_BYTES = 256
+            if me == 0:
+                _collective_host._local_tasks = failing_local_tasks
+            try:
+                p = reshard.plan(x, dst, cache=False)
+                p.execute(x, donate=True)
+                raise AssertionError("process 0 failed copying locally, but nothing raised")
+            except MemoryError as e:
+                assert me == 0 and "injected" in str(e), e
+                assert any("every other process raises too" in n for n in e.__notes__), e
+            except RuntimeError as e:
+                assert me != 0, e
+                assert "reshard failed on process(es) [0]" in str(e), e
+            finally:
+                _collective_host._local_tasks = local_tasks
+                for k, v in saved.items():
+                    setattr(_collective_host, k, v)
+            program = only_program(p)
+            stages = len(program.host.stages)
+            assert stages > 1 if many else stages == 1, (many, stages)
+            assert any(program.host.local_copies), "no copies within a process"
+            assert not x.is_deleted()
+            check(x, a, src)
+            check(reshard.reshard(x, dst), a, dst)
+
     def a_process_failing_after_the_transfer_fails_alone() -> None:
         # Host-packed. A failure after every stage was called (here: unpacking what
         # arrived) cannot corrupt what the others receive: that process raises, the

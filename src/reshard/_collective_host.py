@@ -1048,6 +1048,8 @@ def run_host_packed(
     reported = False  # whether the peers were told of it
     status: jax.Array | None = None
     previous: list[jax.Array] = []  # the outputs of the stage last dispatched
+    # The copies within this process: a future, or whether there were any once done.
+    local_done: Future[None] | bool | None = None
     if program.local_devices:
         # A pipeline: this thread packs stage s + 1 while stage s is on the wire (XLA
         # runs it asynchronously), and a helper thread unpacks each stage on arrival.
@@ -1062,6 +1064,18 @@ def run_host_packed(
             if sent is None:
                 sent = _filler_stage(program, s)
             if s == last:
+                if failure is None:
+                    # The copies within this process are done by now, so that a failure
+                    # of theirs reaches the peers too. With one stage they come first.
+                    try:
+                        if outs is None:
+                            outs = _destinations(program, shardings)
+                            local.run_copies(_local_tasks(sched, outs, views))
+                            local_done = True
+                        elif isinstance(local_done, Future):
+                            local_done.result()
+                    except Exception as e:
+                        failure = e
                 if failure is None:
                     # Every source's buffers found by now (those not sent are needed
                     # after, by local copies and kept shards): whatever fails to give
@@ -1093,6 +1107,12 @@ def run_host_packed(
                         # Taken while the first stage travels: a stage starts only once
                         # every process has called it, so nothing slow comes first.
                         outs = _destinations(program, shardings)
+                        # Copies within this process need no network: the unpacking
+                        # thread does them first, while the first stage travels.
+                        tasks = _local_tasks(sched, outs, views)
+                        local_done = bool(tasks) and _unpack_pool().submit(local.run_copies, tasks)
+                        if isinstance(local_done, Future):
+                            pending.append(local_done)
                     pending.append(
                         _unpack_pool().submit(_unpack_stage, program, s, received, sent, outs)
                     )
@@ -1100,11 +1120,9 @@ def run_host_packed(
                     failure = e
             del sent, received
     try:
-        if failure is None:
+        if failure is None and local_done is None:  # no stage ran, or none here
             if outs is None:
                 outs = _destinations(program, shardings)
-            # Copies within this process need no network: done while the last stages
-            # travel.
             local.run_copies(_local_tasks(sched, outs, views))
     finally:
         for f in pending:  # nothing keeps writing once this returns or raises
