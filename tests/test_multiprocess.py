@@ -964,6 +964,39 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             check(x, a, src)
             check(reshard.reshard(x, dst), a, dst)
 
+        if not _collective_executor.KEPT_ON_DEVICE:
+            return
+        # Copying the shards an array keeps on its devices (off CPU, by copy programs)
+        # fails on process 0: dispatched before the last stage, which reports it.
+        from reshard import _local_executor
+
+        same = ns(devs, ("f",), P("f"))
+        srcs = {"moved": ns(devs[:half], ("f",), P("f")), "kept": same}
+        dsts = {"moved": ns(devs[half:], ("t",), P(None, "t")), "kept": same}
+        tree = {k: make(a, s) for k, s in srcs.items()}
+        in_place = _local_executor.copies_in_place
+
+        def failing_in_place(*args: Any) -> Any:
+            raise MemoryError("injected: out of device memory copying kept shards")
+
+        if me == 0:
+            _local_executor.copies_in_place = failing_in_place
+        try:
+            reshard.reshard(tree, dsts, may_alias=False)
+            raise AssertionError("process 0 failed copying kept shards, but nothing raised")
+        except MemoryError as e:
+            assert me == 0 and "injected" in str(e), e
+        except RuntimeError as e:
+            assert me != 0, e
+            assert "reshard failed on process(es) [0]" in str(e), e
+        finally:
+            _local_executor.copies_in_place = in_place
+        for k in tree:
+            check(tree[k], a, srcs[k])
+        out = reshard.reshard(tree, dsts, may_alias=False)
+        for k in tree:
+            check(out[k], a, dsts[k])
+
     def a_process_failing_after_the_transfer_fails_alone() -> None:
         # Host-packed. A failure after every stage was called (here: unpacking what
         # arrived) cannot corrupt what the others receive: that process raises, the
@@ -1640,6 +1673,23 @@ def test_processes_with_different_device_counts() -> None:
     for r in results:
         want = {name: "ok" for name in only}
         assert r.value == dict.fromkeys(packs, want), f"process {r.process_id}: {r.value}"
+
+
+@pytest.mark.timeout(150)
+def test_failures_mid_reshard_with_kept_shards_copied_on_device() -> None:
+    # Host-packed with kept shards copied by PjRt, as off CPU (KEPT_ON_DEVICE): a
+    # process failing in those copies, as in the other failures mid-reshard, makes every
+    # process raise.
+    only = ["a_process_failing_mid_reshard_fails_every_process"]
+    results = launch_local(
+        f"{HERE}:_run_scenarios",
+        num_processes=2,
+        devices_per_process=4,
+        args=[["host-kept"], only],
+        timeout_s=120,
+    )
+    for r in results:
+        assert r.value == {"host-kept": dict.fromkeys(only, "ok")}, f"{r.process_id}: {r.value}"
 
 
 def _many_small_stages(reps: int) -> list[bool]:

@@ -1050,6 +1050,7 @@ def run_host_packed(
     previous: list[jax.Array] = []  # the outputs of the stage last dispatched
     # The copies within this process: a future, or whether there were any once done.
     local_done: Future[None] | bool | None = None
+    kept: dict[tuple[int, int], jax.Array] | None = None  # ``_kept_shards``
     if program.local_devices:
         # A pipeline: this thread packs stage s + 1 while stage s is on the wire (XLA
         # runs it asynchronously), and a helper thread unpacks each stage on arrival.
@@ -1078,12 +1079,14 @@ def run_host_packed(
                         failure = e
                 if failure is None:
                     # Every source's buffers found by now (those not sent are needed
-                    # after, by local copies and kept shards): whatever fails to give
-                    # them is reported to the peers here, not raised by this process
-                    # alone once the others have finished.
+                    # after, by local copies and kept shards), and the copies of kept
+                    # shards made: whatever fails in them is reported to the peers
+                    # here, not raised by this process alone once the others have
+                    # finished.
                     try:
                         for li in range(len(sources)):
                             bufs[li]  # noqa: B018 - found (and kept) by __missing__
+                        kept = _kept_shards(program, shardings, bufs)
                     except Exception as e:
                         failure = e
                 reported = failure is not None
@@ -1138,7 +1141,8 @@ def run_host_packed(
     for f in pending:
         f.result()
     assert outs is not None
-    kept = _kept_shards(program, shardings, bufs)
+    if kept is None:  # no status stage
+        kept = _kept_shards(program, shardings, bufs)
     return [_output(program, li, sharding, outs, kept) for li, sharding in enumerate(shardings)]
 
 
