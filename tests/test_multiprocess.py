@@ -350,6 +350,33 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             check(out["opt"], a, offloaded)
             check(out["w"], a, dst)
             assert all(v.is_deleted() for v in tree.values()) == donate
+        # Those copies fail on process 0 (out of memory in the other kind, say): made
+        # before the program's status is exchanged, so every process raises; the inputs
+        # stay intact and the processes in step.
+        copy_shards = _compat.copy_shards
+
+        def failing_copy(*args: Any) -> Any:
+            raise MemoryError("injected: out of memory changing memory kinds")
+
+        tree = {"opt": make(a, on_device), "w": make(a, src)}
+        if me == 0:
+            _compat.copy_shards = failing_copy
+        try:
+            reshard.reshard(tree, {"opt": offloaded, "w": dst}, donate=True)
+            MISMATCHES.append(f"process {me}: a failing memory-kind change raised nothing")
+        except MemoryError as e:
+            if me != 0 or "injected" not in str(e):
+                MISMATCHES.append(f"process {me}: {e!r}")
+        except RuntimeError as e:
+            if me == 0 or "reshard failed on process(es) [0]" not in str(e):
+                MISMATCHES.append(f"process {me}: {e!r}")
+        finally:
+            _compat.copy_shards = copy_shards
+        check(tree["opt"], a, on_device)
+        check(tree["w"], a, src)
+        out = reshard.reshard(tree, {"opt": offloaded, "w": dst})
+        check(out["opt"], a, offloaded)
+        check(out["w"], a, dst)
 
     def output_is_what_device_put_returns() -> None:
         # Weakly typed input, host memory at the destination: the output is committed,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -382,11 +382,13 @@ def run_device_packed(
     shardings: Sequence[jax.sharding.Sharding],
     *,
     wait: bool = False,
+    before: Callable[[], None] | None = None,
 ) -> list[jax.Array]:
     """Runs a device-packed program per group of arrays and builds this process's
     destination arrays; with ``wait``, returns only once the programs (their
     collectives) have finished here, even where this process keeps none of their
-    outputs.
+    outputs. ``before`` (the caller's own copies) is called once, first, and across
+    processes inside the first group's exchange of failures.
 
     A group's placeholders live only while its program runs, and the next group's
     are made once it has finished, which bounds the extra device memory a reshard
@@ -403,12 +405,17 @@ def run_device_packed(
     outputs: list[dict[int, jax.Array]] = [{} for _ in sources]
     # A process that holds no device of the union has nothing to send or keep.
     groups = program.groups if program.local_devices else []
+    exchanged = jax.process_count() > 1 and bool(groups)
+    if before is not None and not exchanged:
+        before()
     for gi, group in enumerate(groups):
-        if jax.process_count() == 1:
+        if not exchanged:
             inputs = block_inputs(program, sources, group)
         else:
             failure: Exception | None = None
             try:
+                if gi == 0 and before is not None:
+                    before()
                 inputs = jax.block_until_ready(block_inputs(program, sources, group))
             except Exception as e:
                 failure = e

@@ -35,7 +35,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -674,6 +674,7 @@ def run_collective(
     alias: Sequence[bool],
     only: Sequence[int] | None = None,
     also: Any = (),
+    before: Callable[[], None] | None = None,
 ) -> list[jax.Array]:
     """Executes ``plan`` with compiled collective programs; every process calls it.
 
@@ -692,6 +693,9 @@ def run_collective(
         of them are (the same on every process: decided from the plan alone).
       also: what else of the call the processes compare, with the program (the arrays
         the caller moves without it).
+      before: the caller's own copies (of those arrays), called once by every process,
+        before the program's status is exchanged where it has one here: a failure of
+        theirs then makes every process raise, as one of the program's own does.
 
     Returns:
       One array per source, committed to its destination sharding.
@@ -733,6 +737,8 @@ def run_collective(
                     f"packed on the host, not on the devices (for {', '.join(program.inexact)})"
                 )
         if program.host_packed:
-            return host_packed.run_host_packed(program, sources, shardings)
+            return host_packed.run_host_packed(program, sources, shardings, before=before)
         # With a watchdog, it covers the collectives, not only their dispatch.
-        return device_packed.run_device_packed(program, sources, shardings, wait=limit > 0)
+        return device_packed.run_device_packed(
+            program, sources, shardings, wait=limit > 0, before=before
+        )

@@ -1028,10 +1028,15 @@ def _destinations(
 
 
 def run_host_packed(
-    program: CollectiveProgram, sources: Sequence[jax.Array], shardings: Sequence[Any]
+    program: CollectiveProgram,
+    sources: Sequence[jax.Array],
+    shardings: Sequence[Any],
+    *,
+    before: Callable[[], None] | None = None,
 ) -> list[jax.Array]:
     """Runs a host-packed program: this process's part of every stage, then its
-    destination shards."""
+    destination shards. ``before`` (the caller's own copies) is called once, before
+    the last stage where that stage reports failures, else at the end."""
     sched: HostSchedule = program.host
     sched.ran()
     position = program.position
@@ -1087,6 +1092,9 @@ def run_host_packed(
                         for li in range(len(sources)):
                             bufs[li]  # noqa: B018 - found (and kept) by __missing__
                         kept = _kept_shards(program, shardings, bufs)
+                        call, before = before, None
+                        if call is not None:
+                            call()
                     except Exception as e:
                         failure = e
                 reported = failure is not None
@@ -1143,6 +1151,8 @@ def run_host_packed(
     assert outs is not None
     if kept is None:  # no status stage
         kept = _kept_shards(program, shardings, bufs)
+    if before is not None:  # (not called yet)
+        before()
     return [_output(program, li, sharding, outs, kept) for li, sharding in enumerate(shardings)]
 
 

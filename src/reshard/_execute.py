@@ -311,12 +311,22 @@ def execute_plan(
             ) from e
         # Arrays that only change memory kind on the devices they are on need nothing
         # from another process: each process copies its own shards by PjRt, batched
-        # (``_copied_whole``), after the program has moved the rest. (A failure of those
-        # copies is this process's alone, as of any copy after the program's status.)
+        # (``_copied_whole``). With a program for the rest, the copies are dispatched
+        # before its status is exchanged (``before``), so that a failure of theirs
+        # reaches every process.
         in_place, described = _kind_changes_in_place(plan, dst_shardings)
         local_j = set(in_place)
         rest = [j for j in range(len(planned)) if j not in local_j]
         moved = cast(list[jax.Array], [None] * len(planned))
+
+        def copy_in_place() -> None:
+            order = in_place  # (ascending)
+            copied = _compat.copy_shards(
+                [sources[j] for j in order], [dst_shardings[j] for j in order]
+            )
+            for j, arr in zip(order, copied, strict=True):
+                moved[j] = arr
+
         if rest:
             got = run_collective(
                 plan,
@@ -327,18 +337,17 @@ def execute_plan(
                 only=None if not local_j else rest,
                 # (The arrays copied here are part of what the processes compare.)
                 also=described,
+                before=copy_in_place if in_place else None,
             )
             for j, arr in zip(rest, got, strict=True):
                 moved[j] = arr
-        order = in_place  # (ascending)
-        if not rest and plan.crosses_processes and not plan._cache.get("kinds agreed"):
-            # No program, so no program's check: the processes still compare what each
-            # was asked (once per plan), as for any call that crosses processes.
-            _agree_on_kind_changes(plan, described, dst_shardings)
-            plan._cache["kinds agreed"] = True
-        copied = _compat.copy_shards([sources[j] for j in order], [dst_shardings[j] for j in order])
-        for j, arr in zip(order, copied, strict=True):
-            moved[j] = arr
+        else:
+            if plan.crosses_processes and not plan._cache.get("kinds agreed"):
+                # No program, so no program's check: the processes still compare what
+                # each was asked (once per plan), as for any call that crosses processes.
+                _agree_on_kind_changes(plan, described, dst_shardings)
+                plan._cache["kinds agreed"] = True
+            copy_in_place()
     else:  # pragma: no cover - validated in plan()
         raise ValueError(f"unknown executor {plan.executor!r}")
 
