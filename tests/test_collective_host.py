@@ -595,8 +595,10 @@ def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
 @pytest.mark.parametrize("kept_on_device", [False, True])
 def test_kept_shards_off_cpu_are_no_part_of_the_host_schedule(kept_on_device) -> None:
     """Host-packed off CPU (``KEPT_ON_DEVICE``), a shard a destination keeps as it is on
-    its device is copied there by PjRt at the end: the schedule neither copies it through
-    host memory nor makes a destination block for it; the moved shards still go by it."""
+    its device is copied there, and a whole source shard that becomes the destination
+    shard of another device of the process is copied device to device, both by PjRt at
+    the end: the schedule neither copies them through host memory nor makes destination
+    blocks for them. Shards cut into pieces still go by it. The values are numpy's."""
     from reshard import _collective_executor as ce
 
     devs = np.array(jax.devices())
@@ -609,14 +611,37 @@ def test_kept_shards_off_cpu_are_no_part_of_the_host_schedule(kept_on_device) ->
     program = ce.CollectiveProgram(
         p.leaf_plans, [np.float32], alias=[False], pack_on_host=True, kept_on_device=kept_on_device
     )
-    # (One process: the traded rows of devices 4-7 are copies within it, through host.)
+    # (One process: the traded rows of devices 4-7 are copies within it.)
     local_blocks = {pos for per_pos in program.host.local_copies for pos in per_pos}
     stays = {program.position[d.id] for d in devs[:4]}  # (devices 0-3 keep their rows)
     traded_pos = {program.position[d.id] for d in devs[4:]}
     assert program.copy_kept == (kept_on_device,)
     assert set(program.reused[0]) == (stays if kept_on_device else set())
-    assert local_blocks == traded_pos | (set() if kept_on_device else stays)
+    moved = {program.position[d.id]: program.position[d.id ^ 3] for d in devs[4:]}
+    assert program.moved_whole[0] == (moved if kept_on_device else {})
+    assert local_blocks == (set() if kept_on_device else traded_pos | stays)
     made = host._destinations(program, [dst])
-    assert {pos for pos, m in made.items() if m} == traded_pos | (
-        set() if kept_on_device else stays
+    assert {pos for pos, m in made.items() if m} == (
+        set() if kept_on_device else stays | traded_pos
     )
+    # Column blocks of the rows: cut into pieces, through host memory either way.
+    cut = NamedSharding(mesh, jax.sharding.PartitionSpec(None, "a"))
+    q = reshard.plan(x, cut, executor="collective", cache=False)
+    cutting = ce.CollectiveProgram(
+        q.leaf_plans, [np.float32], alias=[False], pack_on_host=True, kept_on_device=kept_on_device
+    )
+    assert cutting.moved_whole == [{}]
+    assert {pos for per_pos in cutting.host.local_copies for pos in per_pos} == set(range(8))
+    # Run, with the setting forced.
+    values = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    saved = ce.KEPT_ON_DEVICE, ce.PACK_ON_HOST
+    ce.KEPT_ON_DEVICE, ce.PACK_ON_HOST = kept_on_device, True
+    try:
+        for to in (dst, cut):
+            arr = jax.device_put(values, src)
+            out = reshard.reshard(arr, to, executor="collective", may_alias=False)
+            assert out.sharding == to
+            for shard in out.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), values[shard.index])
+    finally:
+        ce.KEPT_ON_DEVICE, ce.PACK_ON_HOST = saved

@@ -208,6 +208,14 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         sh = ns(devs, ("f",), P("f"))
         move(a, sh, sh)
         move(a, sh, sh, may_alias=False)
+        # Whole shards traded between devices of each process, beside rows that cross
+        # processes: off CPU (KEPT_ON_DEVICE) copied device to device, not by the host.
+        traded = ns(np.concatenate([devs[1::-1], devs[2:][::-1]]), ("f",), P("f"))
+        x = make(a, sh)
+        p = reshard.plan(x, traded, cache=False)
+        check(p.execute(x), a, traded)
+        if _collective_executor.KEPT_ON_DEVICE and _collective_executor.PACK_ON_HOST:
+            assert only_program(p).moved_whole[0], "no whole shard moved device to device"
 
     def no_union_device_on_some_processes() -> None:
         move(a, ns(devs[:1], ("f",), P()), ns(devs[-1:], ("t",), P()))
@@ -1706,8 +1714,8 @@ def test_processes_with_different_device_counts() -> None:
 def test_failures_mid_reshard_with_kept_shards_copied_on_device() -> None:
     # Host-packed with kept shards copied by PjRt, as off CPU (KEPT_ON_DEVICE): a
     # process failing in those copies, as in the other failures mid-reshard, makes every
-    # process raise.
-    only = ["a_process_failing_mid_reshard_fails_every_process"]
+    # process raise; whole shards traded within processes are copied device to device.
+    only = ["a_process_failing_mid_reshard_fails_every_process", "unchanged_shards_kept_or_copied"]
     results = launch_local(
         f"{HERE}:_run_scenarios",
         num_processes=2,

@@ -50,6 +50,7 @@ from . import _collective_host as host_packed
 from . import _compat, _exact, _programs
 from ._collective_common import (
     AXIS,
+    Copy,
     all_copies,
     calls_started,
     color_edges,
@@ -67,8 +68,10 @@ PACK_ON_HOST: bool | None = None
 # same device, are copied there (``_local_executor.copies_in_place``: by a copy program
 # where it keeps the type's bits, else by PjRt), not through host memory as the pieces
 # are (there, twice across the bus: 515 ms for 256 MiB of bf16 on a TPU v5e, against
-# 38 ms by PjRt). On CPU host memory is the device's own, and the pooled copies are the
-# faster. None: off CPU; tests set True to force it.
+# 38 ms by PjRt). Likewise a destination shard that is a whole source shard of another
+# device of the same process is copied device to device by PjRt. On CPU host memory is
+# the device's own, and the pooled copies are the faster. None: off CPU; tests set True
+# to force it.
 KEPT_ON_DEVICE: bool | None = None
 # Seconds a collective reshard may wait for its peers before this process exits (unset
 # or 0: no limit of ours; on CPU, gloo then raises after 30 minutes, as measured), and
@@ -156,7 +159,8 @@ class CollectiveProgram:
         of the fingerprint, so that two plans whose programs are alike still differ
         when processes call them in different orders.
       kept_on_device: host-packed: whether kept shards not handed over are copied on
-        their device (``KEPT_ON_DEVICE``; ``None``: off CPU).
+        their device, and whole shards moved within a process device to device
+        (``KEPT_ON_DEVICE``; ``None``: off CPU).
     """
 
     def __init__(
@@ -219,6 +223,12 @@ class CollectiveProgram:
         self.copy_kept = tuple(pack_on_host and on_device and not a for a in alias)
         handed = tuple(a or c for a, c in zip(alias, self.copy_kept, strict=True))
         self.leaves, keep, copies = all_copies(self.leaf_plans, self.position, handed)
+        # Per array, destination position -> the position of another device of this
+        # process whose source shard is that destination shard whole: copied device to
+        # device by PjRt (``KEPT_ON_DEVICE``), not through host memory by the schedule.
+        self.moved_whole: list[dict[int, int]] = [{} for _ in self.leaf_plans]
+        if pack_on_host and on_device:
+            copies = self._moved_whole(copies)
         # What every process must agree on for the programs to match: devices, blocks,
         # pieces and element types, and the settings that shape the schedule (module
         # constants a user may change on one process only) (``agree``; one process has
@@ -308,6 +318,24 @@ class CollectiveProgram:
         self.fillers: dict[int, list[jax.Array]] = {}
         self._status_fn: Any = None
         self._placeholder_fns: dict[tuple[int, tuple[int, ...]], Any] = {}
+
+    def _moved_whole(self, copies: list[Copy]) -> list[Copy]:
+        """``copies`` less those that make a destination block, alone and whole, of
+        a whole source block of another device of the same process (recorded in
+        ``moved_whole``)."""
+        per_block: dict[tuple[int, int], list[int]] = {}
+        for k, c in enumerate(copies):
+            per_block.setdefault((c[0], c[2]), []).append(k)
+        taken: set[int] = set()
+        for (li, d), ks in per_block.items():
+            c = copies[ks[0]]
+            lf = self.leaves[li]
+            whole = c[3] == lf.src_block == lf.dst_block and not any(c[4]) and not any(c[5])
+            src, dst = self.devices[c[1]], self.devices[d]
+            if len(ks) == 1 and whole and c[1] != d and src.process_index == dst.process_index:
+                self.moved_whole[li][d] = c[1]
+                taken.add(ks[0])
+        return [c for k, c in enumerate(copies) if k not in taken]
 
     @property
     def collectives(self) -> int:

@@ -1008,7 +1008,7 @@ def _destinations(
         nbytes = math.prod(block) * dtype.itemsize
         for d in _compat.addressable_devices(sharding):
             pos = program.position[d.id]
-            if pos in program.reused[li]:
+            if pos in program.reused[li] or pos in program.moved_whole[li]:
                 continue
             mine = outs.setdefault(pos, {})
             if (li, pos) in sched.arrive_whole:  # the arriving chunk is the block
@@ -1162,15 +1162,26 @@ def _kept_shards(
     """Per (array, position) of this process whose destination shard is a source shard
     kept as it is: that buffer, handed over, or where the program copies kept shards on
     their devices (``copy_kept``), its copy there (``local.copies_in_place``: a copy
-    program where it carries the type exactly, else PjRt)."""
+    program where it carries the type exactly, else PjRt); and whose destination shard
+    is a whole source shard of another of its devices (``moved_whole``): its copy by
+    PjRt, device to device."""
     kept: dict[tuple[int, int], jax.Array] = {}
+    moves: list[tuple[tuple[int, int], jax.Array, Any]] = []
     for li, sharding in enumerate(shardings):
         for d in _compat.addressable_devices(sharding):
-            src_pos = program.reused[li].get(program.position[d.id])
+            pos = program.position[d.id]
+            src_pos = program.reused[li].get(pos)
             if src_pos is not None:
-                kept[li, program.position[d.id]] = bufs[li][program.devices[src_pos].id]
+                kept[li, pos] = bufs[li][program.devices[src_pos].id]
+            src_pos = program.moved_whole[li].get(pos)
+            if src_pos is not None:
+                to = jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind)
+                moves.append(((li, pos), bufs[li][program.devices[src_pos].id], to))
     copy = [k for k in kept if program.copy_kept[k[0]]]
     for k, c in zip(copy, local.copies_in_place([kept[k] for k in copy]), strict=True):
+        kept[k] = c
+    moved = _compat.copy_shards([m[1] for m in moves], [m[2] for m in moves])
+    for (k, _, _), c in zip(moves, moved, strict=True):
         kept[k] = c
     return kept
 
