@@ -643,5 +643,24 @@ def test_kept_shards_off_cpu_are_no_part_of_the_host_schedule(kept_on_device) ->
             assert out.sharding == to
             for shard in out.addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), values[shard.index])
+        # Whole shards to the other half of the devices, into another memory kind too.
+        bits = values.view(np.uint32).astype(np.uint16).view(jax.numpy.bfloat16)
+        for spec in (jax.sharding.PartitionSpec("a"), jax.sharding.PartitionSpec()):
+            for kinds in (("device", "pinned_host"), ("pinned_host", "device")):
+                a, b = (
+                    NamedSharding(jax.sharding.Mesh(half, ("a",)), spec, memory_kind=k)
+                    for half, k in zip((devs[:4], devs[4:]), kinds, strict=True)
+                )
+                arr = jax.device_put(bits, a)
+                q = reshard.plan(arr, b, executor="collective", cache=False)
+                out = q.execute(arr)
+                got = [v for v in q._cache.values() if isinstance(v, ce.CollectiveProgram)]
+                assert bool(got[0].moved_whole[0]) == kept_on_device
+                assert out.sharding == b
+                for shard in out.addressable_shards:
+                    assert shard.data.sharding.memory_kind == kinds[1]
+                    np.testing.assert_array_equal(
+                        np.asarray(shard.data).view(np.uint16), bits[shard.index].view(np.uint16)
+                    )
     finally:
         ce.KEPT_ON_DEVICE, ce.PACK_ON_HOST = saved
