@@ -43,9 +43,12 @@ the kernel copies every byte twice) and the copies share a few cores:
 while packing, say) must not leave its peers waiting in the stages it would skip, nor
 let them return what it never sent: it sends filler (memory never written) in every
 stage left, and the last stage sums one status per process (``psum``: ~1 ms over
-gloo, an ``all_gather`` ~4 ms), so every process raises, all still in step. A failure
-after the last stage (unpacking, building outputs) corrupts nothing the others
-receive, so only that process raises.
+gloo, an ``all_gather`` ~4 ms), so every process raises, all still in step. The
+copies within a process (made while the first stage travels), the copies of shards
+kept or moved whole within it off CPU, and the caller's own copies (``before``) are
+made or dispatched before that last stage, so a failure of theirs is reported too. A
+failure after the last stage (unpacking, building outputs) corrupts nothing the
+others receive, so only that process raises.
 
 The pool is bounded, so memory held between reshards stays bounded, and a reshard
 holds only the stages in flight, not all of its chunks at once. Packing in
