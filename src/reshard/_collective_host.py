@@ -1056,9 +1056,27 @@ def run_host_packed(
     reported = False  # whether the peers were told of it
     status: jax.Array | None = None
     previous: list[jax.Array] = []  # the outputs of the stage last dispatched
-    # The copies within this process: a future, or whether there were any once done.
-    local_done: Future[None] | bool | None = None
-    kept: dict[tuple[int, int], jax.Array] | None = None  # ``_kept_shards``
+    local_done: Future[None] | None = None  # the copies within this process, started
+    kept: dict[tuple[int, int], jax.Array] | None = None  # ``_kept_shards``, once settled
+
+    def settle() -> None:
+        """What this process finishes before the last stage, so that a failure of it
+        is reported to the peers too, not raised by this process alone once the others
+        have finished: the copies within it (first, with one stage), every source's
+        buffers found (those not sent are needed after, by those copies and kept
+        shards), the copies of kept shards, and the caller's own (``before``)."""
+        nonlocal outs, kept
+        if outs is None:
+            outs = _destinations(program, shardings)
+            local.run_copies(_local_tasks(sched, outs, views))
+        elif local_done is not None:
+            local_done.result()
+        for li in range(len(sources)):
+            bufs[li]  # noqa: B018 - found (and kept) by __missing__
+        kept = _kept_shards(program, shardings, bufs)
+        if before is not None:
+            before()
+
     if program.local_devices:
         # A pipeline: this thread packs stage s + 1 while stage s is on the wire (XLA
         # runs it asynchronously), and a helper thread unpacks each stage on arrival.
@@ -1074,30 +1092,8 @@ def run_host_packed(
                 sent = _filler_stage(program, s)
             if s == last:
                 if failure is None:
-                    # The copies within this process are done by now, so that a failure
-                    # of theirs reaches the peers too. With one stage they come first.
                     try:
-                        if outs is None:
-                            outs = _destinations(program, shardings)
-                            local.run_copies(_local_tasks(sched, outs, views))
-                            local_done = True
-                        elif isinstance(local_done, Future):
-                            local_done.result()
-                    except Exception as e:
-                        failure = e
-                if failure is None:
-                    # Every source's buffers found by now (those not sent are needed
-                    # after, by local copies and kept shards), and the copies of kept
-                    # shards made: whatever fails in them is reported to the peers
-                    # here, not raised by this process alone once the others have
-                    # finished.
-                    try:
-                        for li in range(len(sources)):
-                            bufs[li]  # noqa: B018 - found (and kept) by __missing__
-                        kept = _kept_shards(program, shardings, bufs)
-                        call, before = before, None
-                        if call is not None:
-                            call()
+                        settle()
                     except Exception as e:
                         failure = e
                 reported = failure is not None
@@ -1124,8 +1120,8 @@ def run_host_packed(
                         # Copies within this process need no network: the unpacking
                         # thread does them first, while the first stage travels.
                         tasks = _local_tasks(sched, outs, views)
-                        local_done = bool(tasks) and _unpack_pool().submit(local.run_copies, tasks)
-                        if isinstance(local_done, Future):
+                        if tasks:
+                            local_done = _unpack_pool().submit(local.run_copies, tasks)
                             pending.append(local_done)
                     pending.append(
                         _unpack_pool().submit(_unpack_stage, program, s, received, sent, outs)
@@ -1134,10 +1130,8 @@ def run_host_packed(
                     failure = e
             del sent, received
     try:
-        if failure is None and local_done is None:  # no stage ran, or none here
-            if outs is None:
-                outs = _destinations(program, shardings)
-            local.run_copies(_local_tasks(sched, outs, views))
+        if failure is None and kept is None:  # no status stage: settled here, at the end
+            settle()
     finally:
         for f in pending:  # nothing keeps writing once this returns or raises
             f.exception()
@@ -1151,11 +1145,7 @@ def run_host_packed(
     common.check_status(status, "while moving data")
     for f in pending:
         f.result()
-    assert outs is not None
-    if kept is None:  # no status stage
-        kept = _kept_shards(program, shardings, bufs)
-    if before is not None:  # (not called yet)
-        before()
+    assert outs is not None and kept is not None
     return [_output(program, li, sharding, outs, kept) for li, sharding in enumerate(shardings)]
 
 

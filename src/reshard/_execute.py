@@ -320,11 +320,10 @@ def execute_plan(
         moved = cast(list[jax.Array], [None] * len(planned))
 
         def copy_in_place() -> None:
-            order = in_place  # (ascending)
             copied = _compat.copy_shards(
-                [sources[j] for j in order], [dst_shardings[j] for j in order]
+                [sources[j] for j in in_place], [dst_shardings[j] for j in in_place]
             )
-            for j, arr in zip(order, copied, strict=True):
+            for j, arr in zip(in_place, copied, strict=True):
                 moved[j] = arr
 
         if rest:
