@@ -593,7 +593,7 @@ def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("kept_on_device", [False, True])
-def test_kept_shards_off_cpu_are_no_part_of_the_host_schedule(kept_on_device) -> None:
+def test_kept_shards_off_cpu_are_no_part_of_the_host_schedule(monkeypatch, kept_on_device) -> None:
     """Host-packed off CPU (``KEPT_ON_DEVICE``), a shard a destination keeps as it is on
     its device is copied there, and a whole source shard that becomes the destination
     shard of another device of the process is copied device to device, both by PjRt at
@@ -634,33 +634,30 @@ def test_kept_shards_off_cpu_are_no_part_of_the_host_schedule(kept_on_device) ->
     assert {pos for per_pos in cutting.host.local_copies for pos in per_pos} == set(range(8))
     # Run, with the setting forced.
     values = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
-    saved = ce.KEPT_ON_DEVICE, ce.PACK_ON_HOST
-    ce.KEPT_ON_DEVICE, ce.PACK_ON_HOST = kept_on_device, True
-    try:
-        for to in (dst, cut):
-            arr = jax.device_put(values, src)
-            out = reshard.reshard(arr, to, executor="collective", may_alias=False)
-            assert out.sharding == to
+    monkeypatch.setattr(ce, "KEPT_ON_DEVICE", kept_on_device)
+    monkeypatch.setattr(ce, "PACK_ON_HOST", True)
+    for to in (dst, cut):
+        arr = jax.device_put(values, src)
+        out = reshard.reshard(arr, to, executor="collective", may_alias=False)
+        assert out.sharding == to
+        for shard in out.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), values[shard.index])
+    # Whole shards to the other half of the devices, into another memory kind too.
+    bits = values.view(np.uint32).astype(np.uint16).view(jax.numpy.bfloat16)
+    for spec in (jax.sharding.PartitionSpec("a"), jax.sharding.PartitionSpec()):
+        for kinds in (("device", "pinned_host"), ("pinned_host", "device")):
+            a, b = (
+                NamedSharding(jax.sharding.Mesh(half, ("a",)), spec, memory_kind=k)
+                for half, k in zip((devs[:4], devs[4:]), kinds, strict=True)
+            )
+            arr = jax.device_put(bits, a)
+            q = reshard.plan(arr, b, executor="collective", cache=False)
+            out = q.execute(arr)
+            got = [v for v in q._cache.values() if isinstance(v, ce.CollectiveProgram)]
+            assert bool(got[0].moved_whole[0]) == kept_on_device
+            assert out.sharding == b
             for shard in out.addressable_shards:
-                np.testing.assert_array_equal(np.asarray(shard.data), values[shard.index])
-        # Whole shards to the other half of the devices, into another memory kind too.
-        bits = values.view(np.uint32).astype(np.uint16).view(jax.numpy.bfloat16)
-        for spec in (jax.sharding.PartitionSpec("a"), jax.sharding.PartitionSpec()):
-            for kinds in (("device", "pinned_host"), ("pinned_host", "device")):
-                a, b = (
-                    NamedSharding(jax.sharding.Mesh(half, ("a",)), spec, memory_kind=k)
-                    for half, k in zip((devs[:4], devs[4:]), kinds, strict=True)
+                assert shard.data.sharding.memory_kind == kinds[1]
+                np.testing.assert_array_equal(
+                    np.asarray(shard.data).view(np.uint16), bits[shard.index].view(np.uint16)
                 )
-                arr = jax.device_put(bits, a)
-                q = reshard.plan(arr, b, executor="collective", cache=False)
-                out = q.execute(arr)
-                got = [v for v in q._cache.values() if isinstance(v, ce.CollectiveProgram)]
-                assert bool(got[0].moved_whole[0]) == kept_on_device
-                assert out.sharding == b
-                for shard in out.addressable_shards:
-                    assert shard.data.sharding.memory_kind == kinds[1]
-                    np.testing.assert_array_equal(
-                        np.asarray(shard.data).view(np.uint16), bits[shard.index].view(np.uint16)
-                    )
-    finally:
-        ce.KEPT_ON_DEVICE, ce.PACK_ON_HOST = saved
