@@ -27,7 +27,9 @@ executor's own copy routine (``copy_into``: the C extension where it is built, e
 numpy), the column blocks of every matrix, at once, on the executor's copy threads: the
 least any relayout that copies each byte once adds on this machine. A CPU line sums
 both processes' CPU time per call (every thread, ``getrusage``): where the processes
-keep every core busy, as on a 2-core machine, the time follows it. Times are
+keep every core busy, as on a 2-core machine, the time follows it. The next gives
+each process's (the sender's, then the receiver's), for the reshards' own chunks too:
+where a reshard's extra CPU lands. Times are
 medians of several runs in one launch, every method timed once per round in turn, each
 reshard on new array objects over the same buffers (``fresh_arrays``: as after a
 training step, nothing cached on the arrays by an earlier call is reused); the ratio
@@ -449,6 +451,18 @@ def _table(
         f"CPU per call, both processes (core-ms): fastest floor row {cpu_floor * 1e3:.0f}, "
         f"relayout {cpu_ours * 1e3:.0f} ({cpu_ours / cpu_floor:.2f}x), "
         f"same layout {cpu_same * 1e3:.0f} ({cpu_same / cpu_floor:.2f}x)"
+    )
+
+    # Per process (the median of each process's own series): where the extra CPU of a
+    # reshard lands, on the sending process or the receiving one, launch by launch.
+    def cpu_by_process(name: str) -> str:
+        return " + ".join(f"{statistics.median(x['cpu_s'][name]) * 1e3:.0f}" for x in v)
+
+    print(
+        "CPU per call by process (core-ms, process 0 sends + process 1 receives): "
+        f"fastest floor row {cpu_by_process(str(fastest))}, relayout "
+        f"{cpu_by_process('reshard')} (its own chunks {cpu_by_process('own')}), same layout "
+        f"{cpu_by_process('same')} (its own chunks {cpu_by_process('same own')})"
     )
     print("target: reshard within 1.5x of the floor")
     cut = median_of_max("cut_s", "cut") / median_of_max("cut_s", "floor")
