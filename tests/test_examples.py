@@ -40,7 +40,7 @@ def test_multiprocess_benchmark_prints_its_table():
     rows = {}
     for line in res.stdout.splitlines():
         parts = line.rsplit(None, 3)
-        if len(parts) == 4 and parts[1].replace(".", "").isdigit():
+        if len(parts) == 4 and all(x.replace(".", "").isdigit() for x in parts[1:]):
             rows[parts[0].strip()] = float(parts[3])
     floors = [v for k, v in rows.items() if k.startswith("ppermute,")]
     assert len(floors) >= 5 and min(floors) == 1.0, res.stdout
@@ -56,6 +56,21 @@ def test_multiprocess_benchmark_prints_its_table():
     )
     assert cpu is not None, res.stdout
     assert all(float(g) > 0 for g in cpu.groups()), res.stdout
+    # ...and each process's (sender + receiver), own chunks too. With one rep each
+    # median is that rep, so the two processes add up to the line above (each figure
+    # rounded on its own: within 1 core-ms).
+    by_process = re.search(
+        r"CPU per call by process \(core-ms, process 0 sends \+ process 1 receives\): "
+        r"fastest floor row (\d+) \+ (\d+), relayout (\d+) \+ (\d+) \(its own chunks "
+        r"(\d+) \+ (\d+)\), same layout (\d+) \+ (\d+) \(its own chunks (\d+) \+ (\d+)\)",
+        res.stdout,
+    )
+    assert by_process is not None, res.stdout
+    split = [int(g) for g in by_process.groups()]
+    assert all(x > 0 for x in split), res.stdout
+    totals = [int(cpu.group(k)) for k in (1, 2, 4)]
+    for total, (a, b) in zip(totals, [split[0:2], split[2:4], split[6:8]], strict=True):
+        assert abs(a + b - total) <= 1, res.stdout
     # Both floors give a ratio: the fastest row (strict) and the chunking chosen in
     # rounds of its own (unbiased), which can be no faster than that row.
     ratios = re.findall(r"floor = (?:fastest|the chunking).*?relayout ([0-9.]+)x", res.stdout)
