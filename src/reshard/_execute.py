@@ -146,7 +146,7 @@ def _device_order(s: Sharding | None) -> str:
         logical = getattr(s, "_logical_device_ids", None)
         order = "" if logical is None else f" (in the order {text(list(logical))})"
         return text(mesh.device_ids) + order
-    return text([] if s is None else [d.id for d in _compat.ordered_devices(s)])
+    return text([] if s is None else _device_ids(s))
 
 
 def _equivalent(a: Sharding, b: Sharding | None, ndim: int) -> bool:
