@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 import math
 import os
 import re
@@ -61,6 +62,29 @@ class _FailAfter:
             raise MemoryError("injected: out of device memory for the inputs")
         self.left -= 1
         return self.fn(*args)
+
+
+def _fails_on(victim: int, call: Callable[[], Any], note: str = "", reported: str = "") -> None:
+    """Runs ``call`` on every process where process ``victim`` fails in it (an injected
+    ``MemoryError``): that process must raise its own error (with ``note`` among its
+    notes), every other a ``RuntimeError`` naming it (followed by ``reported``), and no
+    process may return. Records a mismatch instead of raising, as ``check`` does, so
+    that every process goes on to the scenario's next collectives."""
+    import jax
+
+    me = jax.process_index()
+    try:
+        call()
+        wrong = "nothing raised"
+    except MemoryError as e:
+        notes = getattr(e, "__notes__", [""])
+        ok = me == victim and "injected" in str(e) and any(note in n for n in notes)
+        wrong = "" if ok else f"{e!r}, notes {notes}"
+    except RuntimeError as e:
+        ok = me != victim and f"reshard failed on process(es) [{victim}]{reported}" in str(e)
+        wrong = "" if ok else repr(e)
+    if wrong:
+        MISMATCHES.append(f"process {me} (process {victim} failing): {wrong}")
 
 
 def _ground_truth(shape: tuple[int, ...], dtype: Any, seed: int) -> np.ndarray:
@@ -370,14 +394,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         if me == 0:
             _compat.copy_shards = failing_copy
         try:
-            reshard.reshard(tree, {"opt": offloaded, "w": dst}, donate=True)
-            MISMATCHES.append(f"process {me}: a failing memory-kind change raised nothing")
-        except MemoryError as e:
-            if me != 0 or "injected" not in str(e):
-                MISMATCHES.append(f"process {me}: {e!r}")
-        except RuntimeError as e:
-            if me == 0 or "reshard failed on process(es) [0]" not in str(e):
-                MISMATCHES.append(f"process {me}: {e!r}")
+            _fails_on(0, lambda: reshard.reshard(tree, {"opt": offloaded, "w": dst}, donate=True))
         finally:
             _compat.copy_shards = copy_shards
         check(tree["opt"], a, on_device)
@@ -940,13 +957,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 setattr(_collective_host, name, broken)
             try:
                 p = reshard.plan(x, to, cache=False)
-                p.execute(x, donate=True)
-                raise AssertionError(f"process {victim} failed in {name}, but nothing raised")
-            except MemoryError as e:
-                assert me == victim and "injected" in str(e), e
-            except RuntimeError as e:
-                assert me != victim, e
-                assert f"reshard failed on process(es) [{victim}]" in str(e), e
+                _fails_on(victim, functools.partial(p.execute, x, donate=True))
             finally:
                 _collective_host._pack_stage, _collective_host._destinations = pack, destinations
                 _collective_host._SourceBuffers = buffers
@@ -979,14 +990,11 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 _collective_host._local_tasks = failing_local_tasks
             try:
                 p = reshard.plan(x, dst, cache=False)
-                p.execute(x, donate=True)
-                raise AssertionError("process 0 failed copying locally, but nothing raised")
-            except MemoryError as e:
-                assert me == 0 and "injected" in str(e), e
-                assert any("every other process raises too" in n for n in e.__notes__), e
-            except RuntimeError as e:
-                assert me != 0, e
-                assert "reshard failed on process(es) [0]" in str(e), e
+                _fails_on(
+                    0,
+                    functools.partial(p.execute, x, donate=True),
+                    "every other process raises too",
+                )
             finally:
                 _collective_host._local_tasks = local_tasks
                 for k, v in saved.items():
@@ -1017,13 +1025,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         if me == 0:
             _local_executor.copies_in_place = failing_in_place
         try:
-            reshard.reshard(tree, dsts, may_alias=False)
-            raise AssertionError("process 0 failed copying kept shards, but nothing raised")
-        except MemoryError as e:
-            assert me == 0 and "injected" in str(e), e
-        except RuntimeError as e:
-            assert me != 0, e
-            assert "reshard failed on process(es) [0]" in str(e), e
+            _fails_on(0, lambda: reshard.reshard(tree, dsts, may_alias=False))
         finally:
             _local_executor.copies_in_place = in_place
         for k in tree:
@@ -1076,14 +1078,12 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 _collective_device.block_inputs = failing_build
             try:
                 p = reshard.plan(x, {"a": dst, "b": dst}, cache=False)
-                p.execute(x, donate=True)
-                raise AssertionError(f"process {victim} failed, but nothing raised")
-            except MemoryError as e:
-                assert me == victim and "injected" in str(e), e
-                assert any("told the other processes" in n for n in e.__notes__), e
-            except RuntimeError as e:
-                assert me != victim, e
-                assert f"reshard failed on process(es) [{victim}] while preparing" in str(e), e
+                _fails_on(
+                    victim,
+                    functools.partial(p.execute, x, donate=True),
+                    "told the other processes",
+                    " while preparing",
+                )
             finally:
                 _collective_device.block_inputs = build
                 _collective_device.GROUP_BYTES = saved
