@@ -1155,7 +1155,33 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             "arr": ns(devs[::-1], ("a",), P(None)),
         }
         x["arr"] = make(b, ns(devs[:1], ("a",), P()))
+        # An uncommitted array put on devices of some processes but not all (jax 0.10's
+        # jax.device_put fails there on some processes, "must have one shard each"),
+        # and uncommitted key arrays (jax.device_put refuses them across processes),
+        # on devices of every process (checked), reversed, in host memory, or of one.
+        last = jax.process_count() - 1
+        some = [d for d in devs if d.process_index != last]
+        x["part"] = jnp.arange(3 * len(some), dtype=jnp.int16).reshape(3, len(some))
+        dst["part"] = ns(some, ("a",), P())
+        keys = {
+            "key": (jax.random.key(0), ns(devs, ("a",), P())),
+            "keys": (jax.random.split(jax.random.key(1), n), ns(devs[::-1], ("a",), P("a"))),
+            "keys_host": (
+                jax.random.split(jax.random.key(2, impl="rbg"), (2, n)),
+                ns(devs, ("a",), P(None, "a"), "pinned_host"),
+            ),
+            "key_one": (jax.random.key(3, impl="rbg"), ns(devs[-1:], ("a",), P())),
+        }
+        for k, (v, d) in keys.items():
+            assert not v.committed, k
+            x[k], dst[k] = v, d
         y = reshard.reshard(x, dst)
+        for k, (v, d) in keys.items():
+            check(y[k], np.asarray(jax.random.key_data(v)), d)
+            assert y[k].committed and y[k].dtype == v.dtype, (k, y[k].dtype)
+            assert jax.random.key_impl(y[k]) == jax.random.key_impl(v), k
+            if me == last and k == "key_one":
+                assert y[k].sharding == jax.device_put(v, d).sharding, k
         want = {
             "py": (np.array(3, np.int32), True),
             "f64": (f64.astype(np.float32), False),
@@ -1167,12 +1193,13 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             "weak": (np.array(2.0, np.float32), True),
             "step": (np.array(7, np.int32), False),
             "arr": (b, False),
+            "part": (np.arange(3 * len(some), dtype=np.int16).reshape(3, len(some)), False),
         }
         for k, (host, weak) in want.items():
             check(y[k], host, dst[k])
             assert y[k].committed and y[k].dtype == host.dtype and y[k].weak_type == weak, k
             assert y[k].aval == _compat.device_put_aval(host.shape, host.dtype, dst[k], weak), k
-            if not uneven and k in ("py", "i4", "one", "u", "weak", "step"):
+            if not uneven and k in ("py", "i4", "one", "u", "weak", "step", "part"):
                 # jax.device_put itself, where it can run, gives the same array. (Not
                 # for the others: jax 0.10 compares the values it gathers with == and
                 # raises that they differ for a NaN, or for a float64 value, which it
@@ -1181,7 +1208,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 assert (y[k].aval, y[k].sharding) == (same.aval, same.sharding), k
         # A value that differs between processes raises on every process, naming it,
         # and leaves the processes in step.
-        for v in (np.full(4, me), jnp.full(4, me)):
+        for v in (np.full(4, me), jnp.full(4, me), jax.random.key(me)):
             try:
                 reshard.reshard({"v": v, "w": 1.5}, {"v": dst["py"], "w": dst["py"]})
                 raise AssertionError("no error for values that differ between processes")

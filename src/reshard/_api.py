@@ -484,11 +484,24 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
             )
         shape, dtype, src = tuple(v.shape), v.dtype, v.sharding
         if not v.committed and jax.process_count() > 1:
-            # An uncommitted array (``jnp.arange(8)``, a step counter) lives on each
-            # process's own default device: across processes jax.device_put takes it as
-            # that process's value, as it takes a host value, and so does reshard.
+            # An uncommitted array (``jnp.arange(8)``, a step counter, a key from
+            # ``jax.random.key(0)``) lives on each process's own default device: across
+            # processes jax.device_put takes it as that process's value, as it takes a
+            # host value, and so does reshard.
             _check_destination(where, shape, dst)
-            return LeafInfo(path, HOST, shape, dtype, None, dst)
+            if not _is_key(dtype):
+                return LeafInfo(path, HOST, shape, dtype, None, dst)
+            # Put from its key data (``put_host_values``), on the data's sharding.
+            _check_key_destination(where, dst)
+            dd = _key_data_sharding(dst, len(key_data_shape(shape, dtype)) - len(shape))
+            if dd is None:
+                raise ValueError(
+                    f"leaf {where}: an uncommitted key array can be put on devices of "
+                    "several processes on a NamedSharding or SingleDeviceSharding only "
+                    f"(got {type(dst).__name__}; jax.device_put refuses it across "
+                    "processes too)"
+                )
+            return LeafInfo(path, HOST, shape, dtype, None, dst, None, dd)
         if isinstance(src, NamedSharding) and _compat.unreduced_axes(src):
             _check_concrete(where, "source", src)
     elif isinstance(v, jax.ShapeDtypeStruct):
@@ -522,14 +535,7 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
     if not isinstance(src, Sharding):
         raise ValueError(f"leaf {where} has no jax.sharding.Sharding (got {src!r})")
     if _is_key(dtype):
-        if _compat.reduced_axes(dst):
-            # jax 0.10 cannot read such a key array's sharding (nor put one there).
-            spec = getattr(dst, "spec", dst)
-            raise ValueError(
-                f"leaf {where}: a key array cannot take the destination spec {spec}: "
-                "JAX holds no key arrays on a spec with reduced axes (jax.device_put "
-                "refuses it too); give a spec without them"
-            )
+        _check_key_destination(where, dst)
         data_shape = key_data_shape(shape, dtype)
         extra = len(data_shape) - len(shape)
         ds, dd = _key_data_sharding(src, extra), _key_data_sharding(dst, extra)
@@ -538,6 +544,17 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
             return LeafInfo(path, HOST, shape, dtype, src, dst)
         return LeafInfo(path, KEY, shape, dtype, src, dst, ds, dd)
     return LeafInfo(path, ARRAY, shape, dtype, src, dst)
+
+
+def _check_key_destination(where: str, dst: Sharding) -> None:
+    if _compat.reduced_axes(dst):
+        # jax 0.10 cannot read such a key array's sharding (nor put one there).
+        spec = getattr(dst, "spec", dst)
+        raise ValueError(
+            f"leaf {where}: a key array cannot take the destination spec {spec}: "
+            "JAX holds no key arrays on a spec with reduced axes (jax.device_put "
+            "refuses it too); give a spec without them"
+        )
 
 
 @functools.lru_cache(maxsize=1024)

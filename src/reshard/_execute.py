@@ -505,97 +505,120 @@ def put_host_values(
     arrays on shardings other than named ones, and across processes uncommitted
     arrays) onto their destination shardings.
 
-    Across processes, for a value that is not a committed array put on devices of
-    every process, ``jax.device_put`` first checks that every process passes the same
-    value: it all-gathers the whole value over every device, laid out as processes x
-    local devices. That moves the value to every device once per process, involves
-    devices the plan avoids, and fails where processes hold different numbers of
-    devices (jax 0.10: "cannot reshape array"). Such values are checked here instead,
-    a 16-byte digest each, gathered over one destination device per process, and put
-    on their devices from this process's copy, with the type, weak type and abstract
-    value ``jax.device_put`` gives them.
+    Across processes, values other than committed arrays are put from this process's
+    copy of them where their destination is not on this process's devices alone, with
+    the type, weak type and abstract value ``jax.device_put`` gives them. There
+    ``jax.device_put`` refuses uncommitted key arrays, and fails on some processes for
+    an uncommitted array put on devices of some processes (jax 0.10: "must have one
+    shard each"). For a value put on devices of every process it first checks that
+    every process passes the same value: it all-gathers the whole value over every
+    device, laid out as processes x local devices. That moves the value to every
+    device once per process, involves devices the plan avoids, and fails where
+    processes hold different numbers of devices (jax 0.10: "cannot reshape array").
+    Such values are checked here instead, a 16-byte digest each, gathered over one
+    destination device per process.
 
     Raises:
       ValueError: on every process, naming the leaves whose values differ between
         processes.
     """
     shardings = [leaf.dst_sharding for leaf in leaves]
-    checked = _checked_across_processes(values, shardings)
-    if not checked:
+    ours = _put_from_host(values, shardings)
+    if not ours:
         return list(jax.device_put(list(values), shardings, may_alias=may_alias))
     out: list[Any] = [None] * len(values)
-    rest = [i for i in range(len(values)) if i not in checked]
+    rest = [i for i in range(len(values)) if i not in ours]
     if rest:
         placed = jax.device_put(
             [values[i] for i in rest], [shardings[i] for i in rest], may_alias=may_alias
         )
         for i, arr in zip(rest, placed, strict=True):
             out[i] = arr
-    forms = {i: _host_form(values[i]) for i in checked}
+    forms = {i: _host_form(values[i]) for i in ours}
+    # Those put on devices of every process.
+    checked = [i for i in ours if len(_processes(shardings[i])) == jax.process_count()]
+    if checked:
+        _check_equal_across_processes([leaves[i] for i in checked], [forms[i] for i in checked])
+    for i, (host, weak, impl) in forms.items():
+        s = leaves[i].data_dst_sharding if impl is not None else shardings[i]
+        assert s is not None  # set for every uncommitted key array by the API layer
+
+        def block(idx: Any, host: np.ndarray = host) -> np.ndarray:
+            return host[idx]  # type: ignore[no-any-return]
+
+        arr = jax.make_array_from_callback(host.shape, s, block, dtype=host.dtype)
+        if impl is not None:
+            out[i] = jax.random.wrap_key_data(arr, impl=impl)
+        else:
+            aval = _compat.device_put_aval(host.shape, host.dtype, s, weak)
+            out[i] = _compat.finish(arr, aval, fresh=True)
+    return out
+
+
+def _check_equal_across_processes(
+    leaves: Sequence[LeafInfo], forms: Sequence[tuple[np.ndarray, bool, Any]]
+) -> None:
+    """Raises ``ValueError`` on every process if any of these values, each put on
+    devices of every process, differs between processes: compares a digest of each."""
     digests = b"".join(
-        hashlib.sha256(repr((h.shape, str(h.dtype), weak)).encode() + h.tobytes()).digest()[:16]
-        for h, weak in forms.values()
+        hashlib.sha256(
+            repr((h.shape, str(h.dtype), weak, str(impl))).encode() + h.tobytes()
+        ).digest()[:16]
+        for h, weak, impl in forms
     )
     from . import _collective_executor as collective
 
     # One destination device per process (every process has one: each checked value
     # is put on devices of every process).
-    reps = collective.one_per_process({d for i in checked for d in shardings[i].device_set})
+    reps = collective.one_per_process({d for leaf in leaves for d in leaf.dst_sharding.device_set})
 
     # (A process that skipped this call leaves the others waiting in the gather: the
     # watchdog of RESHARD_COLLECTIVE_TIMEOUT_S bounds that, as for the transfers.)
     with collective.watchdog(collective.collective_timeout_s()):
         rows = collective._gather(
             np.frombuffer(digests, np.uint32), [reps[p] for p in sorted(reps)]
-        ).reshape(len(reps), len(checked), -1)
-    differ = [i for k, i in enumerate(checked) if not (rows[:, k] == rows[0, k]).all()]
+        ).reshape(len(reps), len(leaves), -1)
+    differ = [leaf for k, leaf in enumerate(leaves) if not (rows[:, k] == rows[0, k]).all()]
     if differ:
-        where = ", ".join(leaves[i].path or "<root>" for i in differ)
+        where = ", ".join(leaf.path or "<root>" for leaf in differ)
         raise ValueError(
             f"{'leaf' if len(differ) == 1 else 'leaves'} {where}: the value to be put on "
             "devices of every process differs between processes; every process must pass "
             "the same value"
         )
-    for i, (host, weak) in forms.items():
-        s = shardings[i]
-
-        def block(idx: Any, host: np.ndarray = host) -> np.ndarray:
-            return host[idx]  # type: ignore[no-any-return]
-
-        arr = jax.make_array_from_callback(host.shape, s, block, dtype=host.dtype)
-        aval = _compat.device_put_aval(host.shape, host.dtype, s, weak)
-        out[i] = _compat.finish(arr, aval, fresh=True)
-    return out
 
 
-def _host_form(v: Any) -> tuple[np.ndarray, bool]:
+def _host_form(v: Any) -> tuple[np.ndarray, bool, Any]:
     """``v`` in host memory as ``jax.device_put`` types it (a float64 array becomes a
-    float32 one unless x64 is on; a Python int a weakly typed int32), and its weak type.
-    A numpy value is converted on the host, not put whole on one device first."""
+    float32 one unless x64 is on; a Python int a weakly typed int32), its weak type,
+    and for a key array its implementation (the host form is then its key data). A
+    numpy value is converted on the host, not put whole on one device first."""
     if isinstance(v, jax.Array):  # uncommitted, on this process's default device
-        return np.asarray(v), bool(v.weak_type)
+        if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+            return np.asarray(jax.random.key_data(v)), False, jax.random.key_impl(v)
+        return np.asarray(v), bool(v.weak_type), None
     if isinstance(v, np.ndarray | np.generic):
-        return np.asarray(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype)), False
+        return np.asarray(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype)), False, None
     x = jax.device_put(v)  # a Python scalar: JAX's own weak typing
-    return np.asarray(x), bool(x.weak_type)
+    return np.asarray(x), bool(x.weak_type), None
 
 
-def _checked_across_processes(values: Sequence[Any], shardings: Sequence[Sharding]) -> list[int]:
-    """Which of ``values`` ``jax.device_put`` would check for equality across processes:
-    anything but a committed array (or a key array), put on devices of every process."""
-    count = jax.process_count()
-    if count == 1:
+def _processes(s: Sharding) -> set[int]:
+    devices: set[Any] = set(s.device_set)
+    return {d.process_index for d in devices}
+
+
+def _put_from_host(values: Sequence[Any], shardings: Sequence[Sharding]) -> list[int]:
+    """Which of ``values`` are put from their host form: across processes, anything
+    but a committed array, put where this process alone cannot (on a sharding not
+    fully addressable here)."""
+    if jax.process_count() == 1:
         return []
-    checked = []
-    for i, (v, s) in enumerate(zip(values, shardings, strict=True)):
-        if isinstance(v, jax.Array) and (
-            v.committed or jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
-        ):
-            continue
-        devices: set[Any] = set(s.device_set)
-        if len({d.process_index for d in devices}) == count:
-            checked.append(i)
-    return checked
+    return [
+        i
+        for i, (v, s) in enumerate(zip(values, shardings, strict=True))
+        if not (isinstance(v, jax.Array) and v.committed) and not s.is_fully_addressable
+    ]
 
 
 def _copied_whole(plan: Plan, dst_shardings: Sequence[Sharding]) -> list[int]:
