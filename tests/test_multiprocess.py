@@ -1555,6 +1555,43 @@ def test_a_process_skipping_a_call_ends_every_process_with_the_watchdog_on(
     assert results[2].duration_s < 60, described
 
 
+_WATCHED_WITH_A_FULL_STDERR = """
+import fcntl, os, sys, time
+from reshard._collective_executor import watchdog
+flags = fcntl.fcntl(2, fcntl.F_GETFL)
+fcntl.fcntl(2, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+try:
+    while True:
+        os.write(2, b"x" * 4096)
+except BlockingIOError:
+    pass
+fcntl.fcntl(2, fcntl.F_SETFL, flags)
+print("stderr full", flush=True)
+with watchdog(0.5):
+    time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdog_ends_its_process_though_stderr_is_a_full_pipe() -> None:
+    # Its message to stderr, which nobody reads here, must not keep it from exiting: it
+    # did, for good, while the process's peers waited in their collectives.
+    import subprocess
+
+    from reshard._collective_executor import TIMEOUT_EXIT_CODE
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-c", _WATCHED_WITH_A_FULL_STDERR]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as child:
+        try:
+            returncode = child.wait(timeout=30)
+        finally:
+            child.kill()
+        assert child.stdout is not None
+        assert child.stdout.read() == b"stderr full\n"
+    assert returncode == TIMEOUT_EXIT_CODE
+
+
 @pytest.mark.timeout(120)
 def test_a_process_skipping_a_host_value_call_ends_the_others_with_the_watchdog_on() -> None:
     # Host values put on devices of every process are checked by a collective: a

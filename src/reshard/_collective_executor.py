@@ -94,7 +94,10 @@ def collective_timeout_s() -> float:
     return seconds
 
 
-def _flush_stdout() -> None:
+def _write_out(message: str) -> None:
+    with contextlib.suppress(Exception):
+        sys.stderr.write(message)
+        sys.stderr.flush()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
 
@@ -114,19 +117,19 @@ def watchdog(seconds: float) -> Iterator[None]:
         return
 
     def give_up() -> None:
-        sys.stderr.write(
+        message = (
             f"reshard: process {jax.process_index()} waited {seconds:g} s for its peers in "
             f"a collective reshard ({ENV_TIMEOUT_S}) and exits with status "
             f"{TIMEOUT_EXIT_CODE}, so that they fail too instead of hanging. Likely a "
             "process skipped a reshard call, made its calls in another order, called "
             "other collectives in between, or is stuck.\n"
         )
-        sys.stderr.flush()
-        # What the program printed before is kept too, but a stdout that cannot take
-        # it (its lock held, a full pipe) must not keep this process from ending.
-        flush = threading.Thread(target=_flush_stdout, daemon=True)
-        flush.start()
-        flush.join(1.0)
+        # The message, then what the program printed before; but a stream that cannot
+        # take them (its lock held, a full pipe nobody reads) must not keep this
+        # process from ending: they are written from a thread waited for 1 s at most.
+        write = threading.Thread(target=_write_out, args=(message,), daemon=True)
+        write.start()
+        write.join(1.0)
         os._exit(TIMEOUT_EXIT_CODE)
 
     timer = threading.Timer(seconds, give_up)
