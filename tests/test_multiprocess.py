@@ -1182,6 +1182,17 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             assert jax.random.key_impl(y[k]) == jax.random.key_impl(v), k
             if me == last and k == "key_one":
                 assert y[k].sharding == jax.device_put(v, d).sharding, k
+        # On a sharding neither named nor single-device, such a key is refused alike on
+        # every process, before anything moves.
+        from jax._src import sharding_impls
+
+        named = dst["key"]
+        g = sharding_impls.GSPMDSharding(named._device_assignment, named._to_xla_hlo_sharding(0))
+        try:
+            reshard.reshard({"k": jax.random.key(0)}, g)
+            raise AssertionError("an uncommitted key put on a GSPMDSharding did not raise")
+        except ValueError as e:
+            assert "leaf ['k']: an uncommitted key array can be put on devices" in str(e), e
         want = {
             "py": (np.array(3, np.int32), True),
             "f64": (f64.astype(np.float32), False),
