@@ -1430,6 +1430,83 @@ def _across_halves(seed: int) -> tuple[Any, Any, Any]:
     return a, b, x
 
 
+def _interrupted_between_stages() -> list[str]:
+    """Process 1 is interrupted (SIGINT) between two stages of a cached host-packed
+    reshard, catches the ``KeyboardInterrupt`` and goes on, as a notebook would; then
+    every process reshards again. Each call's outcome, per process."""
+    import os
+    import signal
+    import time
+
+    import jax
+
+    import reshard
+    from reshard import _collective_executor, _collective_host
+
+    _collective_host.CHUNK_BYTES = _collective_host.STAGE_BYTES = 1024
+    a, b, x = _across_halves(5)
+    host = _ground_truth((48, 48), np.float32, 5)
+    reshard.reshard(x, b, cache_resharding_plans=True)  # checked, cached: no check below
+    compiled = _collective_executor.CollectiveProgram.compiled
+    calls = []
+
+    def interrupting(self: Any, s: int) -> Any:
+        calls.append(s)
+        if jax.process_index() == 1 and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the handler runs here, in the main thread
+        return compiled(self, s)
+
+    _collective_executor.CollectiveProgram.compiled = interrupting  # type: ignore[method-assign]
+    outcomes = []
+    for _ in range(2):
+        try:
+            y = reshard.reshard(x, b, cache_resharding_plans=True)
+            same = all(
+                np.array_equal(as_bits(s.data), as_bits(host[s.index]))
+                for s in y.addressable_shards
+            )
+            outcomes.append(f"returned, {'right' if same else 'WRONG'} values")
+        except KeyboardInterrupt as e:
+            notes = " ".join(getattr(e, "__notes__", []))
+            outcomes.append(f"interrupted, {'held' if 'was held until' in notes else notes}")
+    assert len(calls) > 4, calls  # several stages per call
+    assert not x.is_deleted()
+    return outcomes
+
+
+def _interrupted_twice_waiting_for_a_peer() -> str:
+    """Process 0 makes a call that process 1 never makes, and is interrupted twice
+    while it waits in the plan's first-run check: the first interrupt is held, the
+    second stops the call. What process 0 saw, and after how long."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import jax
+
+    import reshard
+
+    _, b, x = _across_halves(6)
+    if jax.process_index() == 1:
+        time.sleep(8)
+        return "skipped"
+
+    def interrupt() -> None:
+        for _ in range(2):
+            time.sleep(2)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t = time.monotonic()
+    try:
+        reshard.reshard(x, b)
+        return "returned"
+    except KeyboardInterrupt:
+        return f"interrupted after {time.monotonic() - t:.1f} s"
+
+
 def _reshard_until_killed(victim: int, kill_at: int) -> int:
     """Reshards back and forth across processes; process ``victim`` dies mid-way."""
     import os
@@ -1564,6 +1641,30 @@ def test_a_process_skipping_a_call_ends_every_process_with_the_watchdog_on(
         assert r.duration_s < limit_s + 30, described
     # The stuck process learned that its peers are gone long before its sleep ended.
     assert results[2].duration_s < 60, described
+
+
+@pytest.mark.timeout(90)
+def test_an_interrupt_between_stages_is_held_until_the_process_is_done() -> None:
+    # Interrupted between two stages and going on, process 1 met its peers' unfinished
+    # call with its next one: every process hung. Held, it ends process 1's call after
+    # the last stage, with no results; process 0's call returns, and both stay in step.
+    results = launch_local(f"{HERE}:_interrupted_between_stages", 2, 2, timeout_s=60)
+    assert results[0].value == ["returned, right values"] * 2, results[0].value
+    assert results[1].value == ["interrupted, held", "returned, right values"], results[1].value
+    assert "interrupt held until" in results[1].stderr, results[1].stderr[-2000:]
+
+
+@pytest.mark.timeout(90)
+def test_a_second_interrupt_stops_a_call_waiting_for_a_peer() -> None:
+    # A peer that never comes: the first interrupt is held (and seen within a second,
+    # not after the store's next minute), the second stops the call at once.
+    results = launch_local(
+        f"{HERE}:_interrupted_twice_waiting_for_a_peer", 2, 2, timeout_s=60, check=False
+    )
+    assert results[1].value == "skipped", results[1].describe()
+    # (Interrupted at ~2 s and ~4 s: the first was held, the second seen at once.)
+    got = re.fullmatch(r"interrupted after ([0-9.]+) s", str(results[0].value))
+    assert got and 3.5 < float(got.group(1)) < 15, results[0].describe()
 
 
 _WATCHED_WITH_A_FULL_STDERR = """

@@ -32,6 +32,7 @@ import hashlib
 import marshal
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -139,6 +140,55 @@ def watchdog(seconds: float) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+@contextmanager
+def interrupts_held(active: bool) -> Iterator[None]:
+    """Holds back an interrupt (SIGINT, Ctrl-C) that comes while this process takes
+    part in a reshard across processes, and raises it once its part is done.
+
+    Interrupted between two of a reshard's programs, a process that went on (a
+    notebook, a loop that catches ``KeyboardInterrupt``) met its peers' unfinished
+    call with its next one, and every process hung. Held, the interrupt ends the call
+    after its last collective, with no results and the inputs intact, all processes
+    still in step. A second interrupt stops at once, as without this (for a peer that
+    never comes). Only in the main thread, and only where SIGINT has Python's own
+    handler: one the program installed is left alone.
+    """
+    if (
+        not active
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+        message = (
+            "reshard: interrupt held until this process's part of the collective reshard "
+            "is done, so that the other processes do not wait for it in vain; interrupt "
+            "again to stop now\n"
+        )
+        # (From a thread: a stderr that cannot take it must not stop this one.)
+        threading.Thread(target=_write_out, args=(message,), daemon=True).start()
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        interrupt = KeyboardInterrupt()
+        interrupt.add_note(
+            "reshard: this interrupt came during a collective reshard and was held until "
+            "this process's part of it was done: the call returns no results, the inputs "
+            "are intact, and every process is still in step"
+        )
+        raise interrupt
 
 
 class CollectiveProgram:
@@ -568,6 +618,9 @@ _REFUSED = "!"  # marks a refusal posted where the check would be (digests are h
 # How long a check waits for its peers, as XLA's CPU collectives wait for theirs (the
 # all-gather the check once was gave up after 30 minutes).
 AGREE_WAIT_S = 1800.0
+# It waits in steps of this long, so that an interrupt is seen within one (a signal's
+# Python handler runs only once the store's call returns).
+WAIT_STEP_MS = 1000
 
 
 def _key(call: int, process: int) -> str:
@@ -633,7 +686,7 @@ def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
                     "RESHARD_COLLECTIVE_TIMEOUT_S to bound such waits sooner"
                 )
             try:
-                got = client.blocking_key_value_get(_key(call, p), min(left_ms, 60_000))
+                got = client.blocking_key_value_get(_key(call, p), min(left_ms, WAIT_STEP_MS))
             except Exception as e:  # the store's timeout, or the service's failure
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
@@ -738,7 +791,7 @@ def run_collective(
     key = ("collective_program", alias, PACK_ON_HOST, group_bytes, KEPT_ON_DEVICE, picked)
     program: CollectiveProgram | None = plan._cache.get(key)
     limit = collective_timeout_s() if jax.process_count() > 1 else 0.0
-    with watchdog(limit):
+    with interrupts_held(plan.crosses_processes), watchdog(limit):
         if program is None:
             leaf_plans, planned = plan.leaf_plans, plan.planned_leaves
             if picked is not None:
