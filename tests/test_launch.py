@@ -821,6 +821,23 @@ def test_a_huge_stderr_line_is_cut_short_in_the_message() -> None:
     assert len(message) < 1000
 
 
+def test_a_timeout_message_names_the_processes_that_had_finished() -> None:
+    # The others may have waited for them in a collective: say so, not only "raise
+    # timeout_s".
+    def result(pid: int, returncode: int, duration_s: float) -> _launch.ProcessResult:
+        return _launch.ProcessResult(
+            process_id=pid, returncode=returncode, stdout="", stderr="", value=None,
+            duration_s=duration_s, terminated=returncode < 0, timed_out=returncode < 0,
+        )  # fmt: skip
+
+    message = _launch._failure_message("t:f", [result(0, -9, 40.0), result(1, 0, 2.5)], 40.0)
+    assert "timed out after 40 s" in message and "raise timeout_s" in message
+    assert "But process 1 had finished (status 0) after 2.5 s" in message
+    assert "waiting for it in a collective" in message
+    alone = _launch._failure_message("t:f", [result(0, -9, 40.0), result(1, -9, 40.0)], 40.0)
+    assert "had finished" not in alone
+
+
 def test_launch_errors_pickle_with_their_results() -> None:
     """Raised in a pool's worker, a LaunchError reaches the caller whole."""
     import pickle

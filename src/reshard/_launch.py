@@ -739,6 +739,19 @@ def _failure_message(target: str, results: list[ProcessResult], timeout_s: float
             f"launch_local({target!r}) timed out after {timeout_s:g} s and every "
             "still-running process was killed; raise timeout_s if the work needs longer."
         )
+        done = [r for r in results if r.ok]
+        if done:
+            # A process that returned while the others ran on: they may have waited for
+            # it in a collective it never joined (a skipped reshard call, say).
+            ids = [r.process_id for r in done]
+            who = f"process {ids[0]}" if len(ids) == 1 else f"processes {ids}"
+            head += (
+                f" But {who} had finished (status 0) after "
+                f"{min(r.duration_s for r in done):.1f} s: the others may have been "
+                f"waiting for {'it' if len(ids) == 1 else 'them'} in a collective it never "
+                "joined (a skipped reshard call; RESHARD_COLLECTIVE_TIMEOUT_S ends such "
+                "waits sooner)."
+            )
     lines = [head, *("  " + r.describe() for r in results)]
     tail = first.stderr.strip().splitlines()[-25:]
     if tail:
