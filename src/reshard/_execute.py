@@ -527,7 +527,7 @@ def put_host_values(
     if not ours:
         return list(jax.device_put(list(values), shardings, may_alias=may_alias))
     out: list[Any] = [None] * len(values)
-    rest = [i for i in range(len(values)) if i not in ours]
+    rest = sorted(set(range(len(values))) - set(ours))
     if rest:
         placed = jax.device_put(
             [values[i] for i in rest], [shardings[i] for i in rest], may_alias=may_alias
