@@ -532,6 +532,28 @@ def test_recover_onto_a_mesh_reports_a_lost_single_device_leaf_as_data_loss():
         reshard.recover(state, small, [5])
 
 
+def test_recover_onto_a_mesh_replicates_an_uncommitted_step_counter_on_it():
+    # Committed to its default device (device 0), the counter and the state on the new
+    # mesh made the next jitted step fail ("incompatible devices"); it ran before.
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    small = reshard.shrink_mesh(full, [4, 5], "data")
+    state = {
+        "w": jax.device_put(np.arange(8.0), NamedSharding(full, P("fsdp"))),
+        "step": jnp.int32(3),
+    }
+    step = jax.jit(lambda s: s["step"] + jnp.sum(s["w"]).astype(jnp.int32))
+    assert int(step(state)) == 31
+    out = reshard.recover(state, small, [4, 5])
+    assert out["step"].sharding == NamedSharding(small, P()) and out["step"].committed
+    assert out["step"].dtype == np.int32 and int(out["step"]) == 3
+    assert int(step(out)) == 31
+    # A committed one on a device of the new mesh stays where it is.
+    state["step"] = jax.device_put(jnp.int32(3), DEVICES[1])
+    assert reshard.recover(state, small, [4, 5])["step"].sharding == SingleDeviceSharding(
+        DEVICES[1]
+    )
+
+
 def test_recover_refuses_a_destination_on_lost_devices():
     full = mesh_of((2, 4), ("data", "fsdp"))
     x = jax.device_put(np.zeros(8), NamedSharding(full, P("fsdp")))

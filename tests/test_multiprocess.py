@@ -743,6 +743,13 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             except ValueError as e:
                 assert "different arguments on different processes" in str(e), e
         check(reshard.recover(make(a, src), dst, lost_devices=[first]), a, dst)
+        # Onto a mesh, an uncommitted step counter is replicated on it, alike on every
+        # process (it was committed to each process's own default device, so the
+        # processes' states differed and the next step refused them).
+        small = reshard.shrink_mesh(src.mesh, [first], "r")
+        out = reshard.recover({"w": make(a, src), "step": jnp.int32(3)}, small, [first])
+        check(out["w"], a, NamedSharding(small, P("f")))
+        check(out["step"], np.array(3, np.int32), NamedSharding(small, P()))
 
     def different_arguments_raise_on_every_process() -> None:
         # Process 0 asks for another layout than the others: a broken contract that

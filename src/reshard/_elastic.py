@@ -104,6 +104,12 @@ def _recover(
 
         def target(a: jax.Array) -> Any:
             s = a.sharding
+            if not a.committed:
+                # An uncommitted array (a step counter made with jnp.int32(0)) belongs
+                # to no device: replicated on the mesh, where jax.jit finds the rest of
+                # the state, and the same on every process (committed to each
+                # process's own default device, the next step refused the state).
+                return NamedSharding(mesh, PartitionSpec())
             lost_here = isinstance(s, SingleDeviceSharding) and (
                 device_id(next(iter(s.device_set))) in lost
             )
@@ -132,7 +138,8 @@ def recover(x: Any, sharding: Any, lost_devices: Iterable[Any], *, donate: bool 
         ``sharding`` is a ``Sharding`` or a pytree of them, and come back as they are
         when it is a ``Mesh``.
       sharding: a ``Sharding``, a pytree of them that is a tree prefix of ``x``, or a
-        ``Mesh`` -- then each array keeps its spec on that mesh (``carry_shardings``).
+        ``Mesh`` -- then each array keeps its spec on that mesh (``carry_shardings``),
+        and uncommitted arrays (``jnp.int32(0)``) are replicated on it.
         It must not use lost devices (build it with ``shrink_mesh``).
       lost_devices: devices (or ids) that must not be read.
       donate: free the sources once the whole pytree has been recovered; when
