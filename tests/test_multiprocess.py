@@ -67,8 +67,8 @@ class _FailAfter:
 def _fails_on(victim: int, call: Callable[[], Any], note: str = "", reported: str = "") -> None:
     """Runs ``call`` on every process where process ``victim`` fails in it (an injected
     ``MemoryError``): that process must raise its own error (with ``note`` among its
-    notes), every other a ``RuntimeError`` naming it (followed by ``reported``), and no
-    process may return. Records a mismatch instead of raising, as ``check`` does, so
+    notes), every other a ``RuntimeError`` naming it (followed by ``reported``) and its
+    error, and no process may return. Records a mismatch instead of raising, as ``check`` does, so
     that every process goes on to the scenario's next collectives."""
     import jax
 
@@ -81,7 +81,9 @@ def _fails_on(victim: int, call: Callable[[], Any], note: str = "", reported: st
         ok = me == victim and "injected" in str(e) and any(note in n for n in notes)
         wrong = "" if ok else f"{e!r}, notes {notes}"
     except RuntimeError as e:
+        # Naming the victim, and why it failed (its error, which it posted).
         ok = me != victim and f"reshard failed on process(es) [{victim}]{reported}" in str(e)
+        ok = ok and f"(process {victim}: MemoryError: injected" in str(e)
         wrong = "" if ok else repr(e)
     if wrong:
         MISMATCHES.append(f"process {me} (process {victim} failing): {wrong}")
@@ -176,6 +178,10 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                     assert s.data.sharding.memory_kind == dst.memory_kind
         except AssertionError:
             MISMATCHES.append(traceback.format_exc())
+
+    def expect(ok: bool, what: str) -> None:  # recorded, not raised: see check()
+        if not ok:
+            MISMATCHES.append(f"process {me}: {what}")
 
     def only_program(p: Any) -> Any:
         """The one collective program that plan ``p`` has built and cached."""
@@ -535,10 +541,6 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             _execute.HANDOVER_BYTES = saved
 
     def handing_over() -> None:
-        def expect(ok: bool, what: str) -> None:  # recorded, not raised: see check()
-            if not ok:
-                MISMATCHES.append(f"process {me}: {what}")
-
         def addresses(v: jax.Array) -> dict[int, int]:
             return {s.device.id: s.data.unsafe_buffer_pointer() for s in v.addressable_shards}
 
@@ -750,6 +752,46 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         out = reshard.recover({"w": make(a, src), "step": jnp.int32(3)}, small, [first])
         check(out["w"], a, NamedSharding(small, P("f")))
         check(out["step"], np.array(3, np.int32), NamedSharding(small, P()))
+
+    def a_device_failing_mid_move_is_marked_lost_on_every_process() -> None:
+        # ElasticManager moving the state: a device fails there, and only its own
+        # process's error names it (injected: packing on the host, or preparing the
+        # inputs on the devices). The others' error said only which process failed, so
+        # they raised while it marked the device lost and retried alone, waiting for
+        # them. Their error now carries its error: every process marks the device lost
+        # and retries the move together.
+        grid = np.array([[devs[i], devs[half + i]] for i in range(half)])  # data x fsdp
+        mesh = Mesh(grid, ("data", "fsdp"))
+        failing = grid[2][1]
+        host = _ground_truth((24, 4), np.float32, 9)
+        if _collective_executor.PACK_ON_HOST:
+            module, name = _collective_host, "_pack_stage"
+        else:
+            module, name = _collective_device, "block_inputs"
+        original = getattr(module, name)
+        fired = []
+
+        def broken(*args: Any) -> Any:
+            if me == failing.process_index and not fired:
+                fired.append(1)
+                raise RuntimeError(f"UNAVAILABLE: device {failing.id} failed (injected)")
+            return original(*args)
+
+        manager = reshard.ElasticManager(mesh, "data")
+        manager.mark_lost([grid[3][0]])
+        setattr(module, name, broken)
+        try:
+            out, shape = manager.run_step(
+                lambda state, m: (state, dict(m.shape)),
+                {"w": make(host, ns(grid, ("data", "fsdp"), P("data")))},
+            )
+        finally:
+            setattr(module, name, original)
+        expect(bool(fired) == (me == failing.process_index), f"injected on {me}: {fired}")
+        expect(shape == {"data": half - 2, "fsdp": 2}, f"mesh {shape}")
+        lost = sorted(manager.lost_devices)
+        expect(lost == sorted([grid[3][0].id, failing.id]), f"lost {lost}")
+        check(out["w"], host, NamedSharding(manager.mesh, P("data")))
 
     def different_arguments_raise_on_every_process() -> None:
         # Process 0 asks for another layout than the others: a broken contract that
@@ -1380,6 +1422,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             failure_leaves_inputs_intact,
             agreement_leaves_avoided_devices_out,
             different_lost_devices_raise_on_every_process,
+            a_device_failing_mid_move_is_marked_lost_on_every_process,
             different_arguments_raise_on_every_process,
             a_call_failing_on_one_process_is_not_paired_with_its_next,
             a_call_refused_on_one_process_fails_every_process_at_once,
@@ -1802,6 +1845,7 @@ SCENARIOS = [
     "failure_leaves_inputs_intact",
     "agreement_leaves_avoided_devices_out",
     "different_lost_devices_raise_on_every_process",
+    "a_device_failing_mid_move_is_marked_lost_on_every_process",
     "different_arguments_raise_on_every_process",
     "a_call_failing_on_one_process_is_not_paired_with_its_next",
     "a_call_refused_on_one_process_fails_every_process_at_once",

@@ -311,9 +311,51 @@ def check_status(status: jax.Array | None, when: str) -> None:
 
 
 def peers_failed(failed: Sequence[int], when: str) -> RuntimeError:
-    """The error of a process whose peers ``failed`` ``when``: it made no results."""
+    """The error of a process whose peers ``failed`` ``when``: it made no results. It
+    says why they failed, where they posted it (``post_failure``)."""
+    reasons = _failure_reasons(failed)
+    why = "; ".join(f"process {p}: {r}" for p, r in reasons.items())
     return RuntimeError(
-        f"reshard failed on process(es) {list(failed)} {when} (their own error says "
-        "why), so this process's results would be incomplete: none were made. Every "
-        "process of the reshard raises, all still in step; the inputs are intact"
+        f"reshard failed on process(es) {list(failed)} {when} "
+        f"({why if len(reasons) == len(failed) else 'their own error says why'}), so "
+        "this process's results would be incomplete: none were made. Every process of "
+        "the reshard raises, all still in step; the inputs are intact"
     )
+
+
+# Where a process that fails its part of a collective reshard posts why, in
+# jax.distributed's key-value store: per call (the same count on every process in step)
+# and process. Posted before the status that reports the failure, so it is there when
+# the peers read the status.
+_FAILURE_KEY = "reshard/failure/{call}/{process}"
+_REASON_CHARS = 2000
+
+
+def post_failure(error: BaseException) -> None:
+    """Posts ``error`` as why this process failed its part of the current collective
+    reshard, for its peers' errors (``peers_failed``): an error that names a failed
+    device (``parse_lost_devices``) must name it on every process, so that an elastic
+    loop on each of them marks it lost alike. Best effort: never raises."""
+    if jax.process_count() == 1:
+        return
+    with contextlib.suppress(Exception):
+        client = _compat.distributed_client()
+        if client is not None:
+            what = f"{type(error).__name__}: {error}"
+            if len(what) > _REASON_CHARS:
+                what = what[:_REASON_CHARS] + " ..."
+            key = _FAILURE_KEY.format(call=_calls_started, process=jax.process_index())
+            client.key_value_set(key, what, allow_overwrite=True)
+
+
+def _failure_reasons(failed: Sequence[int]) -> dict[int, str]:
+    """What the processes that ``failed`` posted (``post_failure``), where found."""
+    reasons: dict[int, str] = {}
+    client = _compat.distributed_client()
+    if client is None:
+        return reasons
+    for p in failed:
+        with contextlib.suppress(Exception):
+            key = _FAILURE_KEY.format(call=_calls_started, process=p)
+            reasons[p] = client.blocking_key_value_get(key, 2000)
+    return reasons

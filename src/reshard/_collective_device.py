@@ -419,6 +419,7 @@ def run_device_packed(
                 inputs = jax.block_until_ready(block_inputs(program, sources, group))
             except Exception as e:
                 failure = e
+                common.post_failure(e)
             status = program.exchange_status(failure is not None)
             if failure is not None:
                 failure.add_note(

@@ -1097,6 +1097,8 @@ def run_host_packed(
                     except Exception as e:
                         failure = e
                 reported = failure is not None
+                if failure is not None:
+                    common.post_failure(failure)
                 sent.append(common.status_input(program, reported))
             if previous:
                 # One stage in flight at a time: XLA may run a program's parts on this
