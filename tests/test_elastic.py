@@ -554,6 +554,24 @@ def test_recover_onto_a_mesh_replicates_an_uncommitted_step_counter_on_it():
     )
 
 
+def test_a_block_of_mesh_devices_names_lost_devices_everywhere():
+    # mesh.devices[1:, :2], a 2-D array: recover raised TypeError for it, while
+    # shrink_mesh, mark_lost and DeviceLossError raised ValueError.
+    full = mesh_of((2, 4), ("data", "fsdp"))
+    block = full.devices[1:, :2]
+    assert block.shape == (1, 2)
+    small = reshard.shrink_mesh(full, block, "data")
+    assert dict(small.shape) == {"data": 1, "fsdp": 4}
+    x = jax.device_put(np.arange(16.0), NamedSharding(full, P("fsdp")))
+    y = reshard.recover(x, small, block)
+    assert np.array_equal(np.asarray(y), np.arange(16.0)) and y.sharding.mesh == small
+    assert reshard.reshard(x, NamedSharding(small, P("fsdp")), avoid_devices=block).shape == (16,)
+    manager = reshard.ElasticManager(full, "data")
+    manager.mark_lost(block)
+    assert sorted(manager.lost_devices) == [4, 5]
+    assert sorted(reshard.DeviceLossError(block).devices) == [4, 5]
+
+
 def test_recover_refuses_a_destination_on_lost_devices():
     full = mesh_of((2, 4), ("data", "fsdp"))
     x = jax.device_put(np.zeros(8), NamedSharding(full, P("fsdp")))

@@ -652,6 +652,8 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices")
             f"{what} must be an iterable of devices or device ids, got "
             f"{type(avoid_devices).__name__}: {avoid_devices!r} (for one device, pass [device])"
         )
+    if isinstance(avoid_devices, np.ndarray):  # of any shape: a block of mesh.devices
+        avoid_devices = list(avoid_devices.ravel())
     ids, bare = [], []
     for d in avoid_devices:
         try:

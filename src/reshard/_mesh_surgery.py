@@ -131,12 +131,15 @@ def not_a_collection(x: Any) -> bool:
 
 
 def _listed(devices: Iterable[Any], where: str = "") -> Iterable[Any]:
-    """``devices`` itself, once checked to be a collection and not one device or id."""
+    """``devices`` itself, once checked to be a collection and not one device or id; a
+    numpy array of any shape (a block of ``mesh.devices``) as its elements."""
     if not_a_collection(devices):
         raise TypeError(
             f"{where + ': ' if where else ''}expected a list of devices or device ids, got "
             f"{type(devices).__name__}: {devices!r} (for one device, pass [device])"
         )
+    if isinstance(devices, np.ndarray):
+        return list(devices.ravel())
     return devices
 
 
