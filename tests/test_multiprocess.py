@@ -1482,13 +1482,17 @@ def _across_halves(seed: int) -> tuple[Any, Any, Any]:
 
 def _interrupted_between_stages() -> list[str]:
     """Process 1 is interrupted (SIGINT) between two stages of a cached host-packed
-    reshard, catches the ``KeyboardInterrupt`` and goes on, as a notebook would; then
-    every process reshards again. Each call's outcome, per process."""
+    reshard of a tree with a host value (checked across processes after the stages),
+    catches the ``KeyboardInterrupt`` and goes on, as a notebook would; then every
+    process reshards again; then process 1 is interrupted while process 0 fails
+    (packing), then a last call. Each call's outcome, per process."""
     import os
     import signal
     import time
 
     import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import reshard
     from reshard import _collective_executor, _collective_host
@@ -1496,31 +1500,47 @@ def _interrupted_between_stages() -> list[str]:
     _collective_host.CHUNK_BYTES = _collective_host.STAGE_BYTES = 1024
     a, b, x = _across_halves(5)
     host = _ground_truth((48, 48), np.float32, 5)
-    reshard.reshard(x, b, cache_resharding_plans=True)  # checked, cached: no check below
+    # On devices of every process: checked across processes, by a gather.
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("a",)), P())
+    tree, dst = {"x": x, "step": np.int32(3)}, {"x": b, "step": everywhere}
+    reshard.reshard(tree, dst, cache_resharding_plans=True)  # checked, cached
     compiled = _collective_executor.CollectiveProgram.compiled
-    calls = []
+    pack = _collective_host._pack_stage
+    me, call = jax.process_index(), [0]
+    stages: list[int] = []
 
     def interrupting(self: Any, s: int) -> Any:
-        calls.append(s)
-        if jax.process_index() == 1 and len(calls) == 2:
+        stages.append(s)
+        if me == 1 and call[0] in (0, 2) and s == 1:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)  # the handler runs here, in the main thread
         return compiled(self, s)
 
+    def failing(*args: Any) -> Any:
+        if me == 0 and call[0] == 2:
+            raise MemoryError("injected: out of host memory while packing")
+        return pack(*args)
+
     _collective_executor.CollectiveProgram.compiled = interrupting  # type: ignore[method-assign]
+    _collective_host._pack_stage = failing
     outcomes = []
-    for _ in range(2):
+    for call[0] in range(4):
         try:
-            y = reshard.reshard(x, b, cache_resharding_plans=True)
-            same = all(
+            y = reshard.reshard(tree, dst, cache_resharding_plans=True)
+            same = int(y["step"]) == 3 and all(
                 np.array_equal(as_bits(s.data), as_bits(host[s.index]))
-                for s in y.addressable_shards
+                for s in y["x"].addressable_shards
             )
             outcomes.append(f"returned, {'right' if same else 'WRONG'} values")
         except KeyboardInterrupt as e:
             notes = " ".join(getattr(e, "__notes__", []))
-            outcomes.append(f"interrupted, {'held' if 'was held until' in notes else notes}")
-    assert len(calls) > 4, calls  # several stages per call
+            how = "held" if "was held until" in notes else notes
+            if e.__cause__ is not None:
+                how += f" from {type(e.__cause__).__name__}"
+            outcomes.append(f"interrupted, {how}")
+        except Exception as e:
+            outcomes.append(f"{type(e).__name__}")
+    assert len(set(stages)) > 2, stages  # several stages per call
     assert not x.is_deleted()
     return outcomes
 
@@ -1698,9 +1718,17 @@ def test_an_interrupt_between_stages_is_held_until_the_process_is_done() -> None
     # Interrupted between two stages and going on, process 1 met its peers' unfinished
     # call with its next one: every process hung. Held, it ends process 1's call after
     # the last stage, with no results; process 0's call returns, and both stay in step.
+    # Held past the check of host values after the stages too (it raised before it, and
+    # the others waited there); and raised from the call's error where it failed too.
     results = launch_local(f"{HERE}:_interrupted_between_stages", 2, 2, timeout_s=60)
-    assert results[0].value == ["returned, right values"] * 2, results[0].value
-    assert results[1].value == ["interrupted, held", "returned, right values"], results[1].value
+    ok = "returned, right values"
+    assert results[0].value == [ok, ok, "MemoryError", ok], results[0].value
+    assert results[1].value == [
+        "interrupted, held",
+        ok,
+        "interrupted, held from RuntimeError",
+        ok,
+    ], results[1].value
     assert "interrupt held until" in results[1].stderr, results[1].stderr[-2000:]
 
 

@@ -11,6 +11,10 @@ of partners any position has, the fewest possible.
 from __future__ import annotations
 
 import contextlib
+import queue
+import signal
+import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -205,6 +209,89 @@ def finish(
 # another's next one and return wrong data.
 _calls_started = 0
 _CALL_MODULUS = 1 << 28  # the count travels in an int32 status (see status_input)
+
+
+def write_out(message: str) -> None:
+    """Writes ``message`` to stderr, then flushes stdout; each may fail (not raised) or
+    block (a full pipe nobody reads): call it from a thread not waited on for long."""
+    with contextlib.suppress(Exception):
+        sys.stderr.write(message)
+        sys.stderr.flush()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+
+
+# Messages for stderr from a signal handler: put in a queue (SimpleQueue.put may be
+# called from one), written by one daemon thread started beforehand (starting a thread
+# inside a handler can deadlock on threading's own locks).
+_messages: queue.SimpleQueue[str] = queue.SimpleQueue()
+_writer: threading.Thread | None = None
+
+
+def _write_messages() -> None:
+    while True:
+        write_out(_messages.get())
+
+
+def _held_interrupt(also_failed: bool) -> KeyboardInterrupt:
+    interrupt = KeyboardInterrupt()
+    interrupt.add_note(
+        "reshard: this interrupt came during a collective reshard and was held until "
+        "this process's part of it was done: the call returns no results, the inputs "
+        "are intact, and every process is still in step"
+        + ("; the call failed too (the error above)" if also_failed else "")
+    )
+    return interrupt
+
+
+@contextlib.contextmanager
+def interrupts_held(active: bool) -> Iterator[None]:
+    """Holds back an interrupt (SIGINT, Ctrl-C) that comes while this process takes
+    part in a reshard across processes, and raises it once its part is done.
+
+    Interrupted between two of a reshard's programs, a process that went on (a
+    notebook, a loop that catches ``KeyboardInterrupt``) met its peers' unfinished
+    call with its next one, and every process hung. Held, the interrupt ends the call
+    after its last collective (``execute_plan``: before any input is donated), with no
+    results and the inputs intact, all processes still in step; if the call raised,
+    the interrupt is raised from that error. A second interrupt stops at once, as
+    without this (for a peer that never comes). Only in the main thread, and only
+    where SIGINT has Python's own handler: one the program installed is left alone.
+    """
+    global _writer
+    if (
+        not active
+        or threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    if _writer is None or not _writer.is_alive():  # (a forked child has none)
+        _writer = threading.Thread(target=_write_messages, daemon=True, name="reshard-stderr")
+        _writer.start()
+    held: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+        _messages.put(
+            "reshard: interrupt held until this process's part of the collective reshard "
+            "is done, so that the other processes do not wait for it in vain; interrupt "
+            "again to stop now\n"
+        )
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    except BaseException as e:
+        if held and not isinstance(e, KeyboardInterrupt):
+            raise _held_interrupt(also_failed=True) from e
+        raise
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise _held_interrupt(also_failed=False)
 
 
 def count_call() -> None:

@@ -32,8 +32,6 @@ import hashlib
 import marshal
 import math
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -57,6 +55,7 @@ from ._collective_common import (
     color_edges,
     status_input,
     status_width,
+    write_out,
 )
 from ._plan import HOST_ROUTE
 from ._planner import LeafPlan
@@ -95,14 +94,6 @@ def collective_timeout_s() -> float:
     return seconds
 
 
-def _write_out(message: str) -> None:
-    with contextlib.suppress(Exception):
-        sys.stderr.write(message)
-        sys.stderr.flush()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-
-
 @contextmanager
 def watchdog(seconds: float) -> Iterator[None]:
     """Exits this process if the enclosed collective work takes over ``seconds``.
@@ -128,7 +119,7 @@ def watchdog(seconds: float) -> Iterator[None]:
         # The message, then what the program printed before; but a stream that cannot
         # take them (its lock held, a full pipe nobody reads) must not keep this
         # process from ending: they are written from a thread waited for 1 s at most.
-        write = threading.Thread(target=_write_out, args=(message,), daemon=True)
+        write = threading.Thread(target=write_out, args=(message,), daemon=True)
         write.start()
         write.join(1.0)
         os._exit(TIMEOUT_EXIT_CODE)
@@ -140,55 +131,6 @@ def watchdog(seconds: float) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
-
-
-@contextmanager
-def interrupts_held(active: bool) -> Iterator[None]:
-    """Holds back an interrupt (SIGINT, Ctrl-C) that comes while this process takes
-    part in a reshard across processes, and raises it once its part is done.
-
-    Interrupted between two of a reshard's programs, a process that went on (a
-    notebook, a loop that catches ``KeyboardInterrupt``) met its peers' unfinished
-    call with its next one, and every process hung. Held, the interrupt ends the call
-    after its last collective, with no results and the inputs intact, all processes
-    still in step. A second interrupt stops at once, as without this (for a peer that
-    never comes). Only in the main thread, and only where SIGINT has Python's own
-    handler: one the program installed is left alone.
-    """
-    if (
-        not active
-        or threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    held: list[int] = []
-
-    def hold(signum: int, frame: Any) -> None:
-        if held:
-            raise KeyboardInterrupt
-        held.append(signum)
-        message = (
-            "reshard: interrupt held until this process's part of the collective reshard "
-            "is done, so that the other processes do not wait for it in vain; interrupt "
-            "again to stop now\n"
-        )
-        # (From a thread: a stderr that cannot take it must not stop this one.)
-        threading.Thread(target=_write_out, args=(message,), daemon=True).start()
-
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if held:
-        interrupt = KeyboardInterrupt()
-        interrupt.add_note(
-            "reshard: this interrupt came during a collective reshard and was held until "
-            "this process's part of it was done: the call returns no results, the inputs "
-            "are intact, and every process is still in step"
-        )
-        raise interrupt
 
 
 class CollectiveProgram:
@@ -791,7 +733,7 @@ def run_collective(
     key = ("collective_program", alias, PACK_ON_HOST, group_bytes, KEPT_ON_DEVICE, picked)
     program: CollectiveProgram | None = plan._cache.get(key)
     limit = collective_timeout_s() if jax.process_count() > 1 else 0.0
-    with interrupts_held(plan.crosses_processes), watchdog(limit):
+    with watchdog(limit):
         if program is None:
             leaf_plans, planned = plan.leaf_plans, plan.planned_leaves
             if picked is not None:

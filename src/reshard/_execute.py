@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from . import _buffers, _compat, _exact, _programs, _sharing
+from . import _buffers, _collective_common, _compat, _exact, _programs, _sharing
 from ._geometry import volume
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
 from ._plan import ARRAY, HOST, HOST_ROUTE, KEY, LeafInfo, Plan
@@ -222,169 +222,178 @@ def execute_plan(
         may_alias=may_alias,
         spared={j for j, (i, _) in enumerate(planned) if id(values[i]) in spared},
     )
-    if not planned:
-        moved: list[jax.Array] = []
-    elif not plan.crosses_processes and jax.process_index() not in plan.processes:
-        # Another process holds every device of the plan and moves everything there
-        # (see Plan.crosses_processes), whatever the executor: here the outputs hold no
-        # shard.
-        moved = [
-            jax.make_array_from_single_device_arrays(v.shape, s, [], dtype=v.dtype)
-            for v, s in zip(sources, dst_shardings, strict=True)
-        ]
-    elif plan.executor in ("host", "device"):
-        # Arrays whose shards all just change device go through PjRt's own batched
-        # copy (started first: it runs while the executor copies the rest).
-        whole = _copied_whole(plan, dst_shardings)
-        skip = set(whole)
-        rest = [j for j in range(len(planned)) if j not in skip]
-        copied = _compat.copy_shards([sources[j] for j in whole], [dst_shardings[j] for j in whole])
-        jobs = _jobs(plan) if rest else []  # (built per plan: none needed here)
-        tkey = f"targets(private={_compat.USE_PRIVATE})"  # as ``whole``
-        targets = plan._cache.get(tkey)
-        if targets is None:
-            # Per array of ``rest``: (destination shard index, device) for this
-            # process's devices, in the sharding's own order.
-            targets = plan._cache[tkey] = [
-                [(jobs[j].dst_of[d.id], d) for d in _compat.addressable_devices(dst_shardings[j])]
-                for j in rest
+    # Across processes, an interrupt is held until every collective of the call is
+    # done (the programs, and the check of host values after them): raised there,
+    # before any input is donated (``interrupts_held``).
+    with _collective_common.interrupts_held(plan.crosses_processes):
+        if not planned:
+            moved: list[jax.Array] = []
+        elif not plan.crosses_processes and jax.process_index() not in plan.processes:
+            # Another process holds every device of the plan and moves everything there
+            # (see Plan.crosses_processes), whatever the executor: here the outputs hold no
+            # shard.
+            moved = [
+                jax.make_array_from_single_device_arrays(v.shape, s, [], dtype=v.dtype)
+                for v, s in zip(sources, dst_shardings, strict=True)
             ]
-        args = (
-            [sources[j] for j in rest],
-            [dst_shardings[j] for j in rest],
-            targets,
-        )
-        rest_alias = [alias[j] for j in rest]
-        if not rest:
-            built: list[Any] = []
-        elif plan.executor == "host":
-            built = run_host([jobs[j] for j in rest], *args, alias=rest_alias)
-        else:
-            # Arrays of a type that programs on this platform do not carry exactly
-            # (``_exact``) are moved through host memory instead, as the host
-            # executor moves them; the device executor takes the rest.
-            key = f"device_split(private={_compat.USE_PRIVATE})"  # as ``rest``
-            split = plan._cache.get(key)
-            if split is None:
-                inexact = _exact.inexact_types(
-                    sources[rest[0]].sharding.device_set, [jobs[j].dtype for j in rest]
-                )
-                split = plan._cache[key] = (
-                    [k for k, j in enumerate(rest) if jobs[j].dtype.name not in inexact],
-                    [k for k, j in enumerate(rest) if jobs[j].dtype.name in inexact],
-                )
-                if split[1]:  # for str(plan): decided here, at the first run
-                    plan._cache[HOST_ROUTE] = (
-                        f"{len(split[1])} array(s) of "
-                        f"{', '.join(sorted({jobs[rest[k]].dtype.name for k in split[1]}))} "
-                        "through host memory"
-                    )
-            on_device, via_host = split
-            built = [None] * len(rest)
-            for ks, runner in ((on_device, "device"), (via_host, "host")):
-                if not ks:
-                    continue
-                part_args = (
-                    [args[0][k] for k in ks],
-                    [args[1][k] for k in ks],
-                    [args[2][k] for k in ks],
-                )
-                part_alias = [rest_alias[k] for k in ks]
-                if runner == "host":
-                    part = run_host([jobs[rest[k]] for k in ks], *part_args, alias=part_alias)
-                else:
-                    key = f"device_program(private={_compat.USE_PRIVATE})"  # as its arrays
-                    program = plan._cache.get(key)
-                    if program is None:
-                        program = plan._cache[key] = DeviceProgram([jobs[rest[k]] for k in ks])
-                    part = run_device(program, *part_args, alias=part_alias)
-                for k, arr in zip(ks, part, strict=True):
-                    built[k] = arr
-        by_index = dict(zip(whole, copied, strict=True)) | dict(zip(rest, built, strict=True))
-        moved = [by_index[j] for j in range(len(planned))]
-    elif plan.executor == "collective":
-        try:
-            from ._collective_executor import run_collective
-        except ImportError as e:  # pragma: no cover - until the module lands
-            raise NotImplementedError(
-                "the collective executor is not available in this build"
-            ) from e
-        # Arrays that only change memory kind on the devices they are on need nothing
-        # from another process: each process copies its own shards by PjRt, batched
-        # (``_copied_whole``). With a program for the rest, the copies are dispatched
-        # before its status is exchanged (``before``), so that a failure of theirs
-        # reaches every process.
-        in_place, described = _kind_changes_in_place(plan, dst_shardings)
-        local_j = set(in_place)
-        rest = [j for j in range(len(planned)) if j not in local_j]
-        moved = cast(list[jax.Array], [None] * len(planned))
-
-        def copy_in_place() -> None:
+        elif plan.executor in ("host", "device"):
+            # Arrays whose shards all just change device go through PjRt's own batched
+            # copy (started first: it runs while the executor copies the rest).
+            whole = _copied_whole(plan, dst_shardings)
+            skip = set(whole)
+            rest = [j for j in range(len(planned)) if j not in skip]
             copied = _compat.copy_shards(
-                [sources[j] for j in in_place], [dst_shardings[j] for j in in_place]
+                [sources[j] for j in whole], [dst_shardings[j] for j in whole]
             )
-            for j, arr in zip(in_place, copied, strict=True):
-                moved[j] = arr
-
-        if rest:
-            got = run_collective(
-                plan,
+            jobs = _jobs(plan) if rest else []  # (built per plan: none needed here)
+            tkey = f"targets(private={_compat.USE_PRIVATE})"  # as ``whole``
+            targets = plan._cache.get(tkey)
+            if targets is None:
+                # Per array of ``rest``: (destination shard index, device) for this
+                # process's devices, in the sharding's own order.
+                targets = plan._cache[tkey] = [
+                    [
+                        (jobs[j].dst_of[d.id], d)
+                        for d in _compat.addressable_devices(dst_shardings[j])
+                    ]
+                    for j in rest
+                ]
+            args = (
                 [sources[j] for j in rest],
                 [dst_shardings[j] for j in rest],
-                donate=donate,
-                alias=[alias[j] for j in rest],
-                only=None if not local_j else rest,
-                # (The arrays copied here are part of what the processes compare.)
-                also=described,
-                before=copy_in_place if in_place else None,
+                targets,
             )
-            for j, arr in zip(rest, got, strict=True):
-                moved[j] = arr
-        else:
-            if plan.crosses_processes and not plan._cache.get("kinds agreed"):
-                # No program, so no program's check: the processes still compare what
-                # each was asked (once per plan), as for any call that crosses processes.
-                _agree_on_kind_changes(plan, described, dst_shardings)
-                plan._cache["kinds agreed"] = True
-            copy_in_place()
-    else:  # pragma: no cover - validated in plan()
-        raise ValueError(f"unknown executor {plan.executor!r}")
+            rest_alias = [alias[j] for j in rest]
+            if not rest:
+                built: list[Any] = []
+            elif plan.executor == "host":
+                built = run_host([jobs[j] for j in rest], *args, alias=rest_alias)
+            else:
+                # Arrays of a type that programs on this platform do not carry exactly
+                # (``_exact``) are moved through host memory instead, as the host
+                # executor moves them; the device executor takes the rest.
+                key = f"device_split(private={_compat.USE_PRIVATE})"  # as ``rest``
+                split = plan._cache.get(key)
+                if split is None:
+                    inexact = _exact.inexact_types(
+                        sources[rest[0]].sharding.device_set, [jobs[j].dtype for j in rest]
+                    )
+                    split = plan._cache[key] = (
+                        [k for k, j in enumerate(rest) if jobs[j].dtype.name not in inexact],
+                        [k for k, j in enumerate(rest) if jobs[j].dtype.name in inexact],
+                    )
+                    if split[1]:  # for str(plan): decided here, at the first run
+                        plan._cache[HOST_ROUTE] = (
+                            f"{len(split[1])} array(s) of "
+                            f"{', '.join(sorted({jobs[rest[k]].dtype.name for k in split[1]}))} "
+                            "through host memory"
+                        )
+                on_device, via_host = split
+                built = [None] * len(rest)
+                for ks, runner in ((on_device, "device"), (via_host, "host")):
+                    if not ks:
+                        continue
+                    part_args = (
+                        [args[0][k] for k in ks],
+                        [args[1][k] for k in ks],
+                        [args[2][k] for k in ks],
+                    )
+                    part_alias = [rest_alias[k] for k in ks]
+                    if runner == "host":
+                        part = run_host([jobs[rest[k]] for k in ks], *part_args, alias=part_alias)
+                    else:
+                        key = f"device_program(private={_compat.USE_PRIVATE})"  # as its arrays
+                        program = plan._cache.get(key)
+                        if program is None:
+                            program = plan._cache[key] = DeviceProgram([jobs[rest[k]] for k in ks])
+                        part = run_device(program, *part_args, alias=part_alias)
+                    for k, arr in zip(ks, part, strict=True):
+                        built[k] = arr
+            by_index = dict(zip(whole, copied, strict=True)) | dict(zip(rest, built, strict=True))
+            moved = [by_index[j] for j in range(len(planned))]
+        elif plan.executor == "collective":
+            try:
+                from ._collective_executor import run_collective
+            except ImportError as e:  # pragma: no cover - until the module lands
+                raise NotImplementedError(
+                    "the collective executor is not available in this build"
+                ) from e
+            # Arrays that only change memory kind on the devices they are on need nothing
+            # from another process: each process copies its own shards by PjRt, batched
+            # (``_copied_whole``). With a program for the rest, the copies are dispatched
+            # before its status is exchanged (``before``), so that a failure of theirs
+            # reaches every process.
+            in_place, described = _kind_changes_in_place(plan, dst_shardings)
+            local_j = set(in_place)
+            rest = [j for j in range(len(planned)) if j not in local_j]
+            moved = cast(list[jax.Array], [None] * len(planned))
 
-    out = list(values)
-    for (i, leaf), arr in zip(planned, moved, strict=True):
-        if leaf.kind == KEY:
-            # The key array's sharding follows the data's; JAX may spell its spec
-            # differently (P(None,) for P()), as jax.device_put itself does.
-            arr = jax.random.wrap_key_data(arr, impl=jax.random.key_impl(values[i]))
-        else:
-            aval = _compat.device_put_aval(leaf.shape, leaf.dtype, leaf.dst_sharding, i in weak)
-            arr = _compat.finish(arr, aval, fresh=arr is not values[i])
-        out[i] = arr
-    host = [i for i, leaf in enumerate(plan.leaves) if leaf.kind == HOST]
-    # jax.Arrays among them (key arrays on shardings that are neither named nor
-    # single-device) are donated below, after the copies; when donating, no copy
-    # may share their buffers.
-    given = [i for i in host if isinstance(values[i], jax.Array)] if donate else []
-    if host:
-        placed = put_host_values(
-            [plan.leaves[i] for i in host],
-            [values[i] for i in host],
-            # (None would return an unchanged one itself: a copy, as every array.)
-            may_alias=bool(may_alias is True and not given),
-        )
-        for i, arr in zip(host, placed, strict=True):
+            def copy_in_place() -> None:
+                copied = _compat.copy_shards(
+                    [sources[j] for j in in_place], [dst_shardings[j] for j in in_place]
+                )
+                for j, arr in zip(in_place, copied, strict=True):
+                    moved[j] = arr
+
+            if rest:
+                got = run_collective(
+                    plan,
+                    [sources[j] for j in rest],
+                    [dst_shardings[j] for j in rest],
+                    donate=donate,
+                    alias=[alias[j] for j in rest],
+                    only=None if not local_j else rest,
+                    # (The arrays copied here are part of what the processes compare.)
+                    also=described,
+                    before=copy_in_place if in_place else None,
+                )
+                for j, arr in zip(rest, got, strict=True):
+                    moved[j] = arr
+            else:
+                if plan.crosses_processes and not plan._cache.get("kinds agreed"):
+                    # No program, so no program's check: the processes still compare what
+                    # each was asked (once per plan), as for any call that crosses processes.
+                    _agree_on_kind_changes(plan, described, dst_shardings)
+                    plan._cache["kinds agreed"] = True
+                copy_in_place()
+        else:  # pragma: no cover - validated in plan()
+            raise ValueError(f"unknown executor {plan.executor!r}")
+
+        out = list(values)
+        for (i, leaf), arr in zip(planned, moved, strict=True):
+            if leaf.kind == KEY:
+                # The key array's sharding follows the data's; JAX may spell its spec
+                # differently (P(None,) for P()), as jax.device_put itself does.
+                arr = jax.random.wrap_key_data(arr, impl=jax.random.key_impl(values[i]))
+            else:
+                aval = _compat.device_put_aval(leaf.shape, leaf.dtype, leaf.dst_sharding, i in weak)
+                arr = _compat.finish(arr, aval, fresh=arr is not values[i])
             out[i] = arr
-            # An output that shares the input's buffers (may_alias=True) is recorded as
-            # the planned ones are (below), so that donating the input later spares it.
-            v = values[i]
-            if (
-                may_alias is True
-                and not given
-                and isinstance(v, jax.Array)
-                and arr is not v
-                and _shares_a_buffer(_data(v), _data(arr))
-            ):
-                _sharing.note_shared(v, [arr])
+        host = [i for i, leaf in enumerate(plan.leaves) if leaf.kind == HOST]
+        # jax.Arrays among them (key arrays on shardings that are neither named nor
+        # single-device) are donated below, after the copies; when donating, no copy
+        # may share their buffers.
+        given = [i for i in host if isinstance(values[i], jax.Array)] if donate else []
+        if host:
+            placed = put_host_values(
+                [plan.leaves[i] for i in host],
+                [values[i] for i in host],
+                # (None would return an unchanged one itself: a copy, as every array.)
+                may_alias=bool(may_alias is True and not given),
+            )
+            for i, arr in zip(host, placed, strict=True):
+                out[i] = arr
+                # An output that shares the input's buffers (may_alias=True) is recorded as
+                # the planned ones are (below), so that donating the input later spares it.
+                v = values[i]
+                if (
+                    may_alias is True
+                    and not given
+                    and isinstance(v, jax.Array)
+                    and arr is not v
+                    and _shares_a_buffer(_data(v), _data(arr))
+                ):
+                    _sharing.note_shared(v, [arr])
 
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
