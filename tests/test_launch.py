@@ -821,21 +821,29 @@ def test_a_huge_stderr_line_is_cut_short_in_the_message() -> None:
     assert len(message) < 1000
 
 
-def test_a_timeout_message_names_the_processes_that_had_finished() -> None:
-    # The others may have waited for them in a collective: say so, not only "raise
-    # timeout_s".
-    def result(pid: int, returncode: int, duration_s: float) -> _launch.ProcessResult:
-        return _launch.ProcessResult(
-            process_id=pid, returncode=returncode, stdout="", stderr="", value=None,
-            duration_s=duration_s, terminated=returncode < 0, timed_out=returncode < 0,
-        )  # fmt: skip
+def _target_return_or_sleep(seconds: float) -> int:
+    if os.environ["RESHARD_PROCESS_ID"] == "0":
+        time.sleep(seconds)  # as if waiting for process 1 in a collective
+    return 1
 
-    message = _launch._failure_message("t:f", [result(0, -9, 40.0), result(1, 0, 2.5)], 40.0)
-    assert "timed out after 40 s" in message and "raise timeout_s" in message
-    assert "But process 1 had finished (status 0) after 2.5 s" in message
-    assert "waiting for it in a collective" in message
-    alone = _launch._failure_message("t:f", [result(0, -9, 40.0), result(1, -9, 40.0)], 40.0)
-    assert "had finished" not in alone
+
+def test_a_timeout_message_names_the_processes_whose_target_returned() -> None:
+    # The others may have waited for them in a collective: say so, not only "raise
+    # timeout_s". A process whose target returned then waits in JAX's shutdown for the
+    # others, and is killed with them.
+    with pytest.raises(LaunchError) as e:
+        launch_local(f"{HERE}:_target_return_or_sleep", 2, 1, args=[60], timeout_s=8)
+    message = str(e.value)
+    assert "timed out after 8 s" in message and "raise timeout_s" in message, message
+    assert "But process 1 had returned from the target (the first after " in message, message
+    assert "waiting for it in a collective it never joined" in message, message
+    first = e.value.results[1]
+    assert first.returned_s is not None and first.returned_s < first.duration_s, first
+    assert e.value.results[0].returned_s is None
+    # Where none (or all) returned, nothing is said.
+    with pytest.raises(LaunchError) as e:
+        launch_local(f"{HERE}:_target_return_or_sleep", 1, 1, args=[60], timeout_s=4)
+    assert "had returned" not in str(e.value)
 
 
 def test_launch_errors_pickle_with_their_results() -> None:

@@ -130,6 +130,9 @@ class ProcessResult:
             its own, until its failure was caught: its traceback may take longer).
         terminated: the launcher killed it (timeout, a failed peer, or an interrupt).
         timed_out: the launcher killed it because ``timeout_s`` ran out.
+        returned_s: for a ``module:function`` target that returned, seconds from start
+            until it did (the process may have ended long after, in JAX's shutdown,
+            waiting for its peers), else None.
     """
 
     process_id: int
@@ -140,6 +143,7 @@ class ProcessResult:
     duration_s: float
     terminated: bool
     timed_out: bool
+    returned_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -497,7 +501,7 @@ def _launch_once(
         workdir = Path(tmp)
         procs: list[subprocess.Popen[bytes]] = []
         files: list[tuple[Path, Path, Path]] = []
-        start = time.monotonic()
+        start, start_wall = time.monotonic(), time.time()
         ended_at: dict[int, float] = {}
         # When each child exited, taken by a thread blocked in its wait (the poll below
         # sees an exit up to _POLL_S late), and, read from its file, when a child that
@@ -587,10 +591,12 @@ def _launch_once(
         results = []
         for pid, proc in enumerate(procs):
             out_p, err_p, res_p = files[pid]
-            value = None
+            value, returned_s = None, None
             if res_p.exists():
                 with contextlib.suppress(ValueError):
                     value = json.loads(res_p.read_text())
+                with contextlib.suppress(OSError):
+                    returned_s = max(0.0, res_p.stat().st_mtime - start_wall)
             ended = ended_at.get(pid, time.monotonic())
             if proc.returncode != 0:
                 with contextlib.suppress(OSError, ValueError):
@@ -606,6 +612,7 @@ def _launch_once(
                     duration_s=ended - start,
                     terminated=pid in terminated,
                     timed_out=timed_out and pid in terminated,
+                    returned_s=returned_s,
                 )
             )
         port_taken = _port_was_taken(workdir, initialize)
@@ -739,18 +746,20 @@ def _failure_message(target: str, results: list[ProcessResult], timeout_s: float
             f"launch_local({target!r}) timed out after {timeout_s:g} s and every "
             "still-running process was killed; raise timeout_s if the work needs longer."
         )
-        done = [r for r in results if r.ok]
-        if done:
-            # A process that returned while the others ran on: they may have waited for
-            # it in a collective it never joined (a skipped reshard call, say).
+        done = [r for r in results if r.returned_s is not None or r.ok]
+        if len(done) < len(results) and done:
+            # Processes whose target returned while the others ran on (they then wait
+            # in JAX's shutdown for the others, and are killed with them): the others
+            # may have waited for them in a collective they never joined.
             ids = [r.process_id for r in done]
-            who = f"process {ids[0]}" if len(ids) == 1 else f"processes {ids}"
+            one = len(ids) == 1
+            when = min(r.duration_s if r.returned_s is None else r.returned_s for r in done)
             head += (
-                f" But {who} had finished (status 0) after "
-                f"{min(r.duration_s for r in done):.1f} s: the others may have been "
-                f"waiting for {'it' if len(ids) == 1 else 'them'} in a collective it never "
-                "joined (a skipped reshard call; RESHARD_COLLECTIVE_TIMEOUT_S ends such "
-                "waits sooner)."
+                f" But {f'process {ids[0]}' if one else f'processes {ids}'} had returned "
+                f"from the target (the first after {when:.1f} s): the others may have been "
+                f"waiting for {'it' if one else 'them'} in a collective "
+                f"{'it' if one else 'they'} never joined (a skipped reshard call; "
+                "RESHARD_COLLECTIVE_TIMEOUT_S ends such waits sooner)."
             )
     lines = [head, *("  " + r.describe() for r in results)]
     tail = first.stderr.strip().splitlines()[-25:]
