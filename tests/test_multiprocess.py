@@ -759,39 +759,42 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         # inputs on the devices). The others' error said only which process failed, so
         # they raised while it marked the device lost and retried alone, waiting for
         # them. Their error now carries its error: every process marks the device lost
-        # and retries the move together.
+        # and retries the move together. Then two devices of two processes fail at
+        # once: each of those processes' own error names only its own device, but
+        # ElasticManager reads the failure every process has alike (naming both).
         grid = np.array([[devs[i], devs[half + i]] for i in range(half)])  # data x fsdp
         mesh = Mesh(grid, ("data", "fsdp"))
-        failing = grid[2][1]
         host = _ground_truth((24, 4), np.float32, 9)
         if _collective_executor.PACK_ON_HOST:
             module, name = _collective_host, "_pack_stage"
         else:
             module, name = _collective_device, "block_inputs"
         original = getattr(module, name)
-        fired = []
+        for failing in ([grid[2][1]], [grid[2][1], grid[1][0]]):
+            mine = [d for d in failing if d.process_index == me]
+            fired = []
 
-        def broken(*args: Any) -> Any:
-            if me == failing.process_index and not fired:
-                fired.append(1)
-                raise RuntimeError(f"UNAVAILABLE: device {failing.id} failed (injected)")
-            return original(*args)
+            def broken(*args: Any, mine: list[Any] = mine, fired: list[int] = fired) -> Any:
+                if mine and not fired:
+                    fired.append(1)
+                    raise RuntimeError(f"UNAVAILABLE: device {mine[0].id} failed (injected)")
+                return original(*args)
 
-        manager = reshard.ElasticManager(mesh, "data")
-        manager.mark_lost([grid[3][0]])
-        setattr(module, name, broken)
-        try:
-            out, shape = manager.run_step(
-                lambda state, m: (state, dict(m.shape)),
-                {"w": make(host, ns(grid, ("data", "fsdp"), P("data")))},
-            )
-        finally:
-            setattr(module, name, original)
-        expect(bool(fired) == (me == failing.process_index), f"injected on {me}: {fired}")
-        expect(shape == {"data": half - 2, "fsdp": 2}, f"mesh {shape}")
-        lost = sorted(manager.lost_devices)
-        expect(lost == sorted([grid[3][0].id, failing.id]), f"lost {lost}")
-        check(out["w"], host, NamedSharding(manager.mesh, P("data")))
+            manager = reshard.ElasticManager(mesh, "data")
+            manager.mark_lost([grid[3][0]])
+            setattr(module, name, broken)
+            try:
+                out, shape = manager.run_step(
+                    lambda state, m: (state, dict(m.shape)),
+                    {"w": make(host, ns(grid, ("data", "fsdp"), P("data")))},
+                )
+            finally:
+                setattr(module, name, original)
+            expect(bool(fired) == bool(mine), f"injected on {me}: {fired}")
+            expect(shape == {"data": half - 1 - len(failing), "fsdp": 2}, f"mesh {shape}")
+            lost = sorted(manager.lost_devices)
+            expect(lost == sorted([grid[3][0].id, *(d.id for d in failing)]), f"lost {lost}")
+            check(out["w"], host, NamedSharding(manager.mesh, P("data")))
 
     def different_arguments_raise_on_every_process() -> None:
         # Process 0 asks for another layout than the others: a broken contract that

@@ -397,16 +397,32 @@ def check_status(status: jax.Array | None, when: str) -> None:
         raise peers_failed(failed, when)
 
 
+def failed_processes(status: jax.Array) -> list[int]:
+    """The processes whose summed ``status`` says they failed."""
+    everyone = np.asarray(jax.device_get(status.addressable_shards[0].data))
+    return [p for p, v in enumerate(everyone[: len(everyone) // 2]) if int(v) & 1]
+
+
+def shared_failure(error: BaseException, status: jax.Array, when: str) -> None:
+    """Gives ``error``, this process's own failure that ``status`` reported to the
+    others, the error they raise (``peers_failed``: every process that failed, and why)
+    as ``failure_on_every_process``: the same text on every process, for a decision
+    every process must take alike (``ElasticManager``'s, which devices are lost)."""
+    with contextlib.suppress(Exception):  # (the process's own error is what it raises)
+        error.failure_on_every_process = peers_failed(  # type: ignore[attr-defined]
+            failed_processes(status), when
+        )
+
+
 def peers_failed(failed: Sequence[int], when: str) -> RuntimeError:
     """The error of a process whose peers ``failed`` ``when``: it made no results. It
     says why they failed, where they posted it (``post_failure``)."""
     reasons = _failure_reasons(failed)
-    why = "; ".join(f"process {p}: {r}" for p, r in reasons.items())
+    why = "; ".join(f"process {p}: {reasons.get(p, 'its own error says why')}" for p in failed)
     return RuntimeError(
-        f"reshard failed on process(es) {list(failed)} {when} "
-        f"({why if len(reasons) == len(failed) else 'their own error says why'}), so "
-        "this process's results would be incomplete: none were made. Every process of "
-        "the reshard raises, all still in step; the inputs are intact"
+        f"reshard failed on process(es) {list(failed)} {when} ({why}), so this "
+        "process's results would be incomplete: none were made. Every process of the "
+        "reshard raises, all still in step; the inputs are intact"
     )
 
 
@@ -429,8 +445,9 @@ def post_failure(error: BaseException) -> None:
         client = _compat.distributed_client()
         if client is not None:
             what = f"{type(error).__name__}: {error}"
-            if len(what) > _REASON_CHARS:
-                what = what[:_REASON_CHARS] + " ..."
+            if len(what) > _REASON_CHARS:  # its start and its end
+                cut = _REASON_CHARS // 4
+                what = f"{what[: _REASON_CHARS - cut]} ... {what[-cut:]}"
             key = _FAILURE_KEY.format(call=_calls_started, process=jax.process_index())
             client.key_value_set(key, what, allow_overwrite=True)
 

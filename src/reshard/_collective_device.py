@@ -422,6 +422,7 @@ def run_device_packed(
                 common.post_failure(e)
             status = program.exchange_status(failure is not None)
             if failure is not None:
+                common.shared_failure(failure, status, "while preparing their inputs")
                 failure.add_note(
                     "reshard: this process failed while preparing its part of a "
                     "collective reshard. It told the other processes before the data "

@@ -1139,6 +1139,8 @@ def run_host_packed(
             f.exception()
     if failure is not None:
         if reported:
+            assert status is not None
+            common.shared_failure(failure, status, "while moving data")
             failure.add_note(
                 "reshard: this process failed while moving data. It still took part in "
                 "every stage, and every other process raises too; the inputs are intact."

@@ -565,7 +565,11 @@ class ElasticManager:
         self._cause = ""
 
     def _parsed(self, error: Exception) -> set[int]:
-        """The device ids ``error_parser`` names (ids or devices) for ``error``."""
+        """The device ids ``error_parser`` names (ids or devices) for ``error``: for a
+        process's own failure in a reshard across processes, for the error every
+        process of it has alike (``failure_on_every_process``), so that all decide
+        alike."""
+        error = getattr(error, "failure_on_every_process", error)
         found = self.error_parser(error)
         if found is None:  # a parser's "not a device loss", like an empty collection
             return set()
