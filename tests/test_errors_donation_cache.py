@@ -1296,3 +1296,75 @@ def test_collective_memory_kind_changes_in_place_take_no_program(monkeypatch, pa
     (key,) = keys(p._cache)
     assert key[-1] == (1,)  # the program moves "w" alone (index 1 of the tree's arrays)
     check_result(x["opt"], truth, offloaded)  # inputs intact
+
+
+_DONATING_WHILE_ANOTHER_THREAD_READS = """
+import os, sys, threading
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import numpy as np, jax, reshard
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+executor, trials = sys.argv[1], int(sys.argv[2])
+mesh = Mesh(np.array(jax.devices()[:4]), "a")
+src, relaid = NamedSharding(mesh, P("a")), NamedSharding(mesh, P(None, "a"))
+elsewhere = NamedSharding(Mesh(np.array(jax.devices()[4:]), "a"), P("a"))
+host = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)  # 2 MiB: handed over
+outcomes = {}
+for trial in range(trials):
+    x = jax.device_put(host, src)
+    # One thread reads x (relaid: copied; or the same sharding with may_alias=True:
+    # its output shares x's buffers), the other donates x at the same time.
+    alias = trial % 2 == 1
+    got = {}
+
+    def read():
+        try:
+            if alias:
+                got["y"] = reshard.reshard(x, src, may_alias=True, executor=executor)
+            else:
+                got["y"] = reshard.reshard(x, relaid, executor=executor)
+        except (ValueError, RuntimeError) as e:  # deleted (donated first): clean
+            got["y"] = type(e).__name__
+
+    def donate():
+        got["z"] = reshard.reshard(x, elsewhere, donate=True, executor=executor)
+
+    threads = [threading.Thread(target=read), threading.Thread(target=donate)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    y, z = got["y"], got["z"]
+    assert np.array_equal(np.asarray(z), host)
+    if not isinstance(y, str):
+        # Returned: never an output deleted under it by the other thread's donation.
+        assert not y.is_deleted(), trial
+        assert np.array_equal(np.asarray(y), host), trial
+        y = "returned"
+    outcomes[y] = outcomes.get(y, 0) + 1
+print(sorted(outcomes.items()))
+"""
+
+
+@pytest.mark.parametrize("executor", ["host", "device"])
+def test_donating_an_input_another_thread_reads_neither_crashes_nor_frees_its_output(
+    executor: str,
+) -> None:
+    # jaxlib 0.10 crashed the process (a failed check, or a segmentation fault) when a
+    # donation deleted an array another thread was reading (a numpy view of its
+    # buffers, or a program on them); and a may_alias=True output could come back
+    # already deleted when its input's donation in another thread had decided to
+    # consume it before the output was recorded. In a child process: a crash must not
+    # take pytest down.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [sys.executable, "-c", _DONATING_WHILE_ANOTHER_THREAD_READS, executor, "150"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    assert "returned" in run.stdout, run.stdout

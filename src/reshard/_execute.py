@@ -180,6 +180,8 @@ def execute_plan(
             f"x has structure {treedef}, but the plan was built for {plan.treedef}; "
             "build a new plan with reshard.plan(x, sharding)"
         )
+    # (Before the inputs are checked: a donation by another thread after it is seen.)
+    deletions, shared_version = _sharing.readers.deletions, _sharing.version()
     weak = set()  # weakly typed arrays (jax.device_put keeps that; so does finish)
     for i, (leaf, v) in enumerate(zip(plan.leaves, values, strict=True)):
         if (checked or _check_leaf(leaf, v)) and leaf.kind == ARRAY and v.weak_type:
@@ -192,40 +194,46 @@ def execute_plan(
             "keeps the executor it was built with)"
         )
 
-    planned = [(i, leaf) for i, leaf in enumerate(plan.leaves) if leaf.kind != HOST]
-    sources = [
-        jax.random.key_data(values[i]) if leaf.kind == KEY else values[i] for i, leaf in planned
-    ]
-    # Buffers in a custom layout are copied into the default one first (see
-    # ``_compat.in_default_layout``): each array once, however many leaves it is.
-    relaid: dict[int, jax.Array] = {}
-    for j, src in enumerate(sources):
-        fixed = relaid.get(id(src))
-        if fixed is None:
-            fixed = relaid[id(src)] = _compat.in_default_layout(src)
-        sources[j] = fixed
-    dst_shardings = [_moved_sharding(leaf) for _, leaf in planned]
-
-    # Inputs that share buffers with a live array outside x (a part of a split without
-    # donation, or the array such parts came from) are not consumed: freeing their
-    # buffers would free them under that array too (see ``_sharing``). Nor do they
-    # hand shards over (unless may_alias=True): the output is a copy, as undonated.
-    given_arrays = [v for v in values if isinstance(v, jax.Array)] if donate else []
-    spared = _sharing.shared_elsewhere(given_arrays)
-    if spared:
-        spared = _sharing.with_handles(
-            spared, {id(v): _compat.buffer_keys(_data(v)).keys() for v in given_arrays}
-        )
-    alias = aliases(
-        plan,
-        donate=donate,
-        may_alias=may_alias,
-        spared={j for j, (i, _) in enumerate(planned) if id(values[i]) in spared},
-    )
     # Across processes, an interrupt is held until every collective of the call is
     # done (the programs, and the check of host values after them): raised there,
-    # before any input is donated (``interrupts_held``).
-    with _collective_common.interrupts_held(plan.crosses_processes):
+    # before any input is donated (``interrupts_held``). Another thread of this
+    # process may donate (delete) these inputs only while this one reads none of
+    # their buffers (``_sharing.readers``).
+    readers = _sharing.readers
+    with _collective_common.interrupts_held(plan.crosses_processes), readers.reading():
+        if readers.deletions != deletions:  # some were donated meanwhile: still here?
+            _check_not_deleted(plan, values)
+        planned = [(i, leaf) for i, leaf in enumerate(plan.leaves) if leaf.kind != HOST]
+        sources = [
+            jax.random.key_data(values[i]) if leaf.kind == KEY else values[i] for i, leaf in planned
+        ]
+        # Buffers in a custom layout are copied into the default one first (see
+        # ``_compat.in_default_layout``): each array once, however many leaves it is.
+        relaid: dict[int, jax.Array] = {}
+        for j, src in enumerate(sources):
+            fixed = relaid.get(id(src))
+            if fixed is None:
+                fixed = relaid[id(src)] = _compat.in_default_layout(src)
+            sources[j] = fixed
+        dst_shardings = [_moved_sharding(leaf) for _, leaf in planned]
+
+        # Inputs that share buffers with a live array outside x (a part of a split without
+        # donation, or the array such parts came from) are not consumed: freeing their
+        # buffers would free them under that array too (see ``_sharing``). Nor do they
+        # hand shards over (unless may_alias=True): the output is a copy, as undonated.
+        given_arrays = [v for v in values if isinstance(v, jax.Array)] if donate else []
+        spared = _sharing.shared_elsewhere(given_arrays)
+        if spared:
+            spared = _sharing.with_handles(
+                spared, {id(v): _compat.buffer_keys(_data(v)).keys() for v in given_arrays}
+            )
+        alias = aliases(
+            plan,
+            donate=donate,
+            may_alias=may_alias,
+            spared={j for j, (i, _) in enumerate(planned) if id(values[i]) in spared},
+        )
+
         if not planned:
             moved: list[jax.Array] = []
         elif not plan.crosses_processes and jax.process_index() not in plan.processes:
@@ -395,60 +403,96 @@ def execute_plan(
                 ):
                     _sharing.note_shared(v, [arr])
 
+        if not donate:
+            # (Recorded while reading: a thread donating an input next sees it.)
+            _note_handed_over(planned, plan, alias, values, out)
+
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
-        # Each donated array (by identity) with its data (key data for key arrays).
-        donated: dict[int, tuple[jax.Array, jax.Array]] = {}
-        # Buffer keys, read only where needed: with nothing kept, every donated array
-        # is simply deleted (``_donate``), and reading them costs ~10 us per array.
-        keys_of: dict[int, dict[Key, jax.Array]] = {}
+        with readers.deleting():
+            if _sharing.version() != shared_version:
+                # Another thread recorded sharing meanwhile (a may_alias=True output
+                # of one of these inputs, say): those inputs now stay too.
+                late = _sharing.shared_elsewhere(given_arrays)
+                spared |= _sharing.with_handles(
+                    late, {id(v): _compat.buffer_keys(_data(v)).keys() for v in given_arrays}
+                )
+            # Each donated array (by identity) with its data (key data for key arrays).
+            donated: dict[int, tuple[jax.Array, jax.Array]] = {}
+            # Buffer keys, read only where needed: with nothing kept, every donated array
+            # is simply deleted (``_donate``), and reading them costs ~10 us per array.
+            keys_of: dict[int, dict[Key, jax.Array]] = {}
 
-        def keys(v: jax.Array) -> dict[Key, jax.Array]:
-            found = keys_of.get(id(v))
-            if found is None:
-                found = keys_of[id(v)] = _compat.buffer_keys(donated[id(v)][1])
-            return found
+            def keys(v: jax.Array) -> dict[Key, jax.Array]:
+                found = keys_of.get(id(v))
+                if found is None:
+                    found = keys_of[id(v)] = _compat.buffer_keys(donated[id(v)][1])
+                return found
 
-        kept: set[Key] = set()  # buffers an output took over unchanged
-        for (i, _leaf), src, lp, a in zip(planned, sources, plan.leaf_plans, alias, strict=True):
-            if id(values[i]) in spared:
-                continue
-            donated.setdefault(id(values[i]), (values[i], src))
-            if a and lp.reused:
-                devices = {lp.spec.src[si].device for _, si in lp.reused}
-                # This process's buffers only: the others' kept shards are theirs.
-                kept.update(k for k in keys(values[i]) if k[0] in devices)
-        for i in given:
-            v = values[i]
-            if id(v) in spared:
-                continue
-            data = _data(v)
-            donated.setdefault(id(v), (v, data))
-            # Asked for a copy, jax.device_put may still hand a buffer over (jax 0.10:
-            # key arrays replicated onto more devices): what the output holds is kept.
-            # Only a buffer of the same shape is the input's own: jax 0.10 may also
-            # give a key array's shard a smaller buffer at the address of the input's
-            # replica (replicated -> sharded, GSPMDSharding), which stays valid when
-            # the input is deleted, and which re-homing would replace by the whole
-            # replica.
-            if data.size:
-                held = _compat.buffer_keys(_data(out[i]))
-                kept.update(k for k, b in keys(v).items() if k in held and _same(held[k], b))
-        # Outputs that may hold a donated buffer: those handed shards over.
-        takers = [
-            i
-            for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True)
-            if a and lp.reused and id(values[i]) not in spared
-        ]
-        found: list[Donated] = [(v, data, keys(v) if kept else {}) for v, data in donated.values()]
-        _donate(found, kept, out, takers + given, plan.avoid_devices)
-    # Outputs handed an input's shards share its buffers (consumed or not: the same
-    # input at two leaves gives two outputs on the same buffers). Recorded once the
-    # outputs are final (``_donate`` may rebuild them on new handles).
+            kept: set[Key] = set()  # buffers an output took over unchanged
+            for (i, _leaf), src, lp, a in zip(
+                planned, sources, plan.leaf_plans, alias, strict=True
+            ):
+                if id(values[i]) in spared:
+                    continue
+                donated.setdefault(id(values[i]), (values[i], src))
+                if a and lp.reused:
+                    devices = {lp.spec.src[si].device for _, si in lp.reused}
+                    # This process's buffers only: the others' kept shards are theirs.
+                    kept.update(k for k in keys(values[i]) if k[0] in devices)
+            for i in given:
+                v = values[i]
+                if id(v) in spared:
+                    continue
+                data = _data(v)
+                donated.setdefault(id(v), (v, data))
+                # Asked for a copy, jax.device_put may still hand a buffer over (jax 0.10:
+                # key arrays replicated onto more devices): what the output holds is kept.
+                # Only a buffer of the same shape is the input's own: jax 0.10 may also
+                # give a key array's shard a smaller buffer at the address of the input's
+                # replica (replicated -> sharded, GSPMDSharding), which stays valid when
+                # the input is deleted, and which re-homing would replace by the whole
+                # replica.
+                if data.size:
+                    held = _compat.buffer_keys(_data(out[i]))
+                    kept.update(k for k, b in keys(v).items() if k in held and _same(held[k], b))
+            # Outputs that may hold a donated buffer: those handed shards over.
+            takers = [
+                i
+                for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True)
+                if a and lp.reused and id(values[i]) not in spared
+            ]
+            found: list[Donated] = [
+                (v, data, keys(v) if kept else {}) for v, data in donated.values()
+            ]
+            _donate(found, kept, out, takers + given, plan.avoid_devices)
+            _note_handed_over(planned, plan, alias, values, out)
+
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _note_handed_over(
+    planned: Sequence[tuple[int, LeafInfo]],
+    plan: Plan,
+    alias: Sequence[bool],
+    values: Sequence[Any],
+    out: Sequence[Any],
+) -> None:
+    """Outputs handed an input's shards share its buffers (consumed or not: the same
+    input at two leaves gives two outputs on the same buffers). Recorded once the
+    outputs are final (``_donate`` may rebuild them on new handles)."""
     for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True):
         if a and lp.reused:
             _sharing.note_shared(values[i], [out[i]])
-    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _check_not_deleted(plan: Plan, values: Sequence[Any]) -> None:
+    for leaf, v in zip(plan.leaves, values, strict=True):
+        if isinstance(v, jax.Array) and v.is_deleted():
+            raise ValueError(
+                f"leaf {leaf.path or '<root>'} was deleted while this call started "
+                "(donated by a call in another thread?); pass live arrays"
+            )
 
 
 def _same(a: jax.Array, b: jax.Array) -> bool:

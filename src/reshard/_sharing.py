@@ -29,10 +29,12 @@ them apart.)
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 
@@ -100,10 +102,63 @@ def _merge(a: _Group, b: _Group) -> _Group:
     return big
 
 
+class _Readers:
+    """Threads of this process that read their inputs' buffers, and the deleting of
+    donated inputs, kept apart.
+
+    jaxlib 0.10 crashes the process (a failed check, or a segmentation fault) when an
+    array is deleted while another thread reads its buffers through a numpy view, and
+    a program given an array deleted meanwhile fails with an unclear error: so one
+    thread donating an input while another reshards it brought the process down. Calls
+    read under ``reading`` and delete (and record what their outputs share) under
+    ``deleting``, which waits until no other thread reads and holds new readers off.
+    ``deletions`` counts the deleting sections, so that a call re-checks its inputs
+    for deletion only when one ran meanwhile; ``version`` the records of sharing."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.RLock())
+        self._readers: collections.Counter[int] = collections.Counter()
+        self.deletions = 0
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            self._readers[me] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers[me] -= 1
+                if not self._readers[me]:
+                    del self._readers[me]
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def deleting(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            while any(t != me for t in self._readers):
+                self._cond.wait()
+            self.deletions += 1
+            yield
+
+
+readers = _Readers()
+_version = 0  # counts ``note_shared`` calls
+
+
+def version() -> int:
+    """Changes whenever sharing is recorded (``note_shared``)."""
+    return _version
+
+
 def note_shared(origin: Any, derived: Sequence[Any]) -> None:
     """Records that ``derived`` were made zero-copy on buffers of ``origin`` (which may
     have been consumed since: a deleted array shares nothing)."""
+    global _version
     with _lock:
+        _version += 1
         group = _group(origin)
         if group is None:
             group = _Group()

@@ -316,13 +316,14 @@ def _prepare_consume(arrays: Sequence[jax.Array]) -> Callable[[], list[jax.Array
     def commit() -> list[jax.Array]:
         fresh = donate()
         swap: dict[int, jax.Array] = {}
-        for a, b in zip([*tied, *alone], [*copies, *fresh], strict=True):
-            if not a.is_deleted():
-                # Copied; declined (some buffers copied); or nothing here to donate (no
-                # device of it on this process): deleted all the same, as on every
-                # process.
-                a.delete()
-            swap[id(a)] = b
+        with _sharing.readers.deleting():  # not while another thread reads them
+            for a, b in zip([*tied, *alone], [*copies, *fresh], strict=True):
+                if not a.is_deleted():
+                    # Copied; declined (some buffers copied); or nothing here to donate
+                    # (no device of it on this process): deleted all the same, as on
+                    # every process.
+                    a.delete()
+                swap[id(a)] = b
         return [swap.get(id(a), a) for a in arrays]
 
     return commit
