@@ -1368,3 +1368,63 @@ def test_donating_an_input_another_thread_reads_neither_crashes_nor_frees_its_ou
     )
     assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
     assert "returned" in run.stdout, run.stdout
+
+
+_DONATED_BETWEEN_PLANNING_AND_MOVING = """
+import os, sys, threading, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import numpy as np, jax, reshard
+from reshard import _api
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+mesh = Mesh(np.array(jax.devices()[:4]), "a")
+src, relaid = NamedSharding(mesh, P("a")), NamedSharding(mesh, P(None, "a"))
+elsewhere = NamedSharding(Mesh(np.array(jax.devices()[4:]), "a"), P("a"))
+x = jax.device_put(np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024), src)
+execute_plan, planned = _api.execute_plan, threading.Event()
+
+def late(*args, **kwargs):  # thread A: planned (x checked), moves only once B donated x
+    if threading.current_thread().name == "A":
+        planned.set()
+        time.sleep(0.3)
+    return execute_plan(*args, **kwargs)
+
+_api.execute_plan = late
+got = {}
+
+def a():
+    try:
+        reshard.reshard(x, relaid, executor=sys.argv[1])
+        got["a"] = "returned"
+    except ValueError as e:
+        got["a"] = str(e)
+
+def b():
+    planned.wait()
+    reshard.reshard(x, elsewhere, donate=True, executor=sys.argv[1])
+
+threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(x.is_deleted(), got["a"])
+"""
+
+
+@pytest.mark.parametrize("executor", ["host", "device"])
+def test_an_input_donated_between_planning_and_moving_raises_cleanly(executor: str) -> None:
+    # Checked while planning, then donated by another thread before the move read it:
+    # the move read a deleted array (a segmentation fault on the host executor).
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [sys.executable, "-c", _DONATED_BETWEEN_PLANNING_AND_MOVING, executor],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    assert run.stdout.startswith("True leaf <root> was deleted while this call started"), run.stdout

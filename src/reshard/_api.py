@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from . import _collective_common, _compat, _programs
+from . import _collective_common, _compat, _programs, _sharing
 from ._errors import DataLossError
 from ._execute import _whole_copy, device_peak_extra, execute_plan, traced_leaf
 from ._geometry import box_from_index
@@ -152,6 +152,9 @@ def reshard(
     # Counted (see count_call) only once it is known to be a collective call, never
     # counted and taken back: a call within one process, made in another thread while
     # a collective reshard reads the count, would show this process out of step.
+    # Donations by other threads from here on are seen by execute_plan (its inputs are
+    # checked while planning).
+    seen = _sharing.readers.deletions
     try:
         p, checked = _plan(
             x,
@@ -163,10 +166,13 @@ def reshard(
     except BaseException as e:
         refuse_unplanned(x, sharding, e)
         raise
+    run = functools.partial(
+        execute_plan, p, x, donate=donate, may_alias=may_alias, checked=checked, deletions=seen
+    )
     if p.crosses_processes:
         with _collective_common.counted_call():  # counted before anything else can fail
-            return execute_plan(p, x, donate=donate, may_alias=may_alias, checked=checked)
-    return execute_plan(p, x, donate=donate, may_alias=may_alias, checked=checked)
+            return run()
+    return run()
 
 
 def refuse_unplanned(x: Any, sharding: Any, error: BaseException) -> None:

@@ -169,11 +169,18 @@ def _naming(job: LeafJob, lp: LeafPlan) -> LeafJob:
 
 @_compat.moving_bytes()
 def execute_plan(
-    plan: Plan, x: Any, *, donate: bool, may_alias: bool | None, checked: bool = False
+    plan: Plan,
+    x: Any,
+    *,
+    donate: bool,
+    may_alias: bool | None,
+    checked: bool = False,
+    deletions: int | None = None,
 ) -> Any:
     """Runs ``plan`` on ``x``. ``checked``: every leaf of ``x`` is known to be a live
     ``jax.Array`` of the plan's shape, dtype and sharding (``reshard`` planned it for
-    them just now), so the leaves are not checked again (~2 us each)."""
+    them just now), so the leaves are not checked again (~2 us each); ``deletions``:
+    ``_sharing.readers.deletions`` from before that check."""
     values, treedef = jax.tree_util.tree_flatten(x)
     if treedef != plan.treedef:
         raise ValueError(
@@ -181,7 +188,9 @@ def execute_plan(
             "build a new plan with reshard.plan(x, sharding)"
         )
     # (Before the inputs are checked: a donation by another thread after it is seen.)
-    deletions, shared_version = _sharing.readers.deletions, _sharing.version()
+    if deletions is None or not checked:
+        deletions = _sharing.readers.deletions
+    shared_version = _sharing.version()
     weak = set()  # weakly typed arrays (jax.device_put keeps that; so does finish)
     for i, (leaf, v) in enumerate(zip(plan.leaves, values, strict=True)):
         if (checked or _check_leaf(leaf, v)) and leaf.kind == ARRAY and v.weak_type:

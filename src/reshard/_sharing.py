@@ -118,12 +118,18 @@ class _Readers:
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.RLock())
         self._readers: collections.Counter[int] = collections.Counter()
+        self._deleters = 0  # waiting to delete: new readers wait for them
         self.deletions = 0
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
         me = threading.get_ident()
         with self._cond:
+            # A thread reading already goes on (else it would wait for a deleter that
+            # waits for it); others let a waiting deleter go first (or a steady stream
+            # of reads would keep it waiting for good).
+            while self._deleters and me not in self._readers:
+                self._cond.wait()
             self._readers[me] += 1
         try:
             yield
@@ -138,10 +144,17 @@ class _Readers:
     def deleting(self) -> Iterator[None]:
         me = threading.get_ident()
         with self._cond:
-            while any(t != me for t in self._readers):
-                self._cond.wait()
+            self._deleters += 1
+            try:
+                while any(t != me for t in self._readers):
+                    self._cond.wait()
+            finally:
+                self._deleters -= 1
             self.deletions += 1
-            yield
+            try:
+                yield
+            finally:
+                self._cond.notify_all()
 
 
 readers = _Readers()

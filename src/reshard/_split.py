@@ -316,14 +316,13 @@ def _prepare_consume(arrays: Sequence[jax.Array]) -> Callable[[], list[jax.Array
     def commit() -> list[jax.Array]:
         fresh = donate()
         swap: dict[int, jax.Array] = {}
-        with _sharing.readers.deleting():  # not while another thread reads them
-            for a, b in zip([*tied, *alone], [*copies, *fresh], strict=True):
-                if not a.is_deleted():
-                    # Copied; declined (some buffers copied); or nothing here to donate
-                    # (no device of it on this process): deleted all the same, as on
-                    # every process.
-                    a.delete()
-                swap[id(a)] = b
+        for a, b in zip([*tied, *alone], [*copies, *fresh], strict=True):
+            if not a.is_deleted():
+                # Copied; declined (some buffers copied); or nothing here to donate (no
+                # device of it on this process): deleted all the same, as on every
+                # process.
+                a.delete()
+            swap[id(a)] = b
         return [swap.get(id(a), a) for a in arrays]
 
     return commit
@@ -347,17 +346,34 @@ def _build_then_consume(
       build: makes the result from ``groups``.
       donate: whether the inputs are consumed.
     """
-    result = build(groups)
+    # Read (and their sharing recorded) while no other thread's call deletes them, and
+    # consumed while no other thread's call reads them (``_sharing.readers``).
+    readers = _sharing.readers
+    with readers.reading():
+        result = build(groups)
     if not donate or not any(isinstance(x, jax.Array) for g in groups for x in g):
         return result
     del result  # holds the buffers the donation is about to hand over
-    # Every group's copies and program first: a failure there consumes nothing.
-    commits = [_prepare_consume([x for x in g if isinstance(x, jax.Array)]) for g in groups]
-    replaced = []
-    for group, commit in zip(groups, commits, strict=True):
-        fresh = iter(commit())
-        replaced.append([next(fresh) if isinstance(x, jax.Array) else x for x in group])
-    return build(replaced)
+    for attempt in range(_PREPARE_ATTEMPTS):
+        version = _sharing.version()
+        # Every group's copies and program first: a failure there consumes nothing.
+        with readers.reading():
+            arrays = [[x for x in g if isinstance(x, jax.Array)] for g in groups]
+            commits = [_prepare_consume(a) for a in arrays]
+        with readers.deleting():
+            # Sharing recorded meanwhile by another thread (a may_alias=True output of
+            # one of them, say) may spare some: prepared again (rarely; at last as is).
+            if _sharing.version() != version and attempt + 1 < _PREPARE_ATTEMPTS:
+                continue
+            replaced = []
+            for group, commit in zip(groups, commits, strict=True):
+                fresh = iter(commit())
+                replaced.append([next(fresh) if isinstance(x, jax.Array) else x for x in group])
+        return build(replaced)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_PREPARE_ATTEMPTS = 4
 
 
 def _assemble(
