@@ -1360,7 +1360,7 @@ def test_donating_an_input_another_thread_reads_neither_crashes_nor_frees_its_ou
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     run = subprocess.run(
-        [sys.executable, "-c", _DONATING_WHILE_ANOTHER_THREAD_READS, executor, "150"],
+        [sys.executable, "-c", _DONATING_WHILE_ANOTHER_THREAD_READS, executor, "80"],
         capture_output=True,
         text=True,
         timeout=240,

@@ -832,9 +832,9 @@ def test_a_timeout_message_names_the_processes_whose_target_returned() -> None:
     # timeout_s". A process whose target returned then waits in JAX's shutdown for the
     # others, and is killed with them.
     with pytest.raises(LaunchError) as e:
-        launch_local(f"{HERE}:_target_return_or_sleep", 2, 1, args=[60], timeout_s=8)
+        launch_local(f"{HERE}:_target_return_or_sleep", 2, 1, args=[60], timeout_s=6)
     message = str(e.value)
-    assert "timed out after 8 s" in message and "raise timeout_s" in message, message
+    assert "timed out after 6 s" in message and "raise timeout_s" in message, message
     assert "But process 1 had returned from the target (the first after " in message, message
     assert "waiting for it in a collective it never joined" in message, message
     first = e.value.results[1]
@@ -842,7 +842,7 @@ def test_a_timeout_message_names_the_processes_whose_target_returned() -> None:
     assert e.value.results[0].returned_s is None
     # Where none (or all) returned, nothing is said.
     with pytest.raises(LaunchError) as e:
-        launch_local(f"{HERE}:_target_return_or_sleep", 1, 1, args=[60], timeout_s=4)
+        launch_local(f"{HERE}:_target_return_or_sleep", 1, 1, args=[60], timeout_s=2)
     assert "had returned" not in str(e.value)
 
 

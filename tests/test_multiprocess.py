@@ -1563,7 +1563,7 @@ def _interrupted_twice_waiting_for_a_peer() -> str:
 
     _, b, x = _across_halves(6)
     if jax.process_index() == 1:
-        time.sleep(8)
+        time.sleep(6)
         return "skipped"
 
     def interrupt() -> None:
