@@ -23,7 +23,13 @@ from . import _collective_common, _compat, _programs, _sharing
 from ._errors import DataLossError
 from ._execute import _whole_copy, device_peak_extra, execute_plan, traced_leaf
 from ._geometry import box_from_index
-from ._mesh_surgery import check_distinct_devices, device_id, device_ranges, not_a_collection
+from ._mesh_surgery import (
+    _listed,
+    check_distinct_devices,
+    device_id,
+    device_ranges,
+    not_a_collection,
+)
 from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan, plan_processes
 from ._planner import LeafSpec, ShardSpec, plan_leaves
 
@@ -658,8 +664,7 @@ def _avoid_ids(avoid_devices: Iterable[Any] | None, what: str = "avoid_devices")
             f"{what} must be an iterable of devices or device ids, got "
             f"{type(avoid_devices).__name__}: {avoid_devices!r} (for one device, pass [device])"
         )
-    if isinstance(avoid_devices, np.ndarray):  # of any shape: a block of mesh.devices
-        avoid_devices = list(avoid_devices.ravel())
+    avoid_devices = _listed(avoid_devices)  # (a numpy array of any shape flattened)
     ids, bare = [], []
     for d in avoid_devices:
         try:

@@ -360,13 +360,7 @@ def check_status(status: jax.Array | None, when: str) -> None:
     (their counts of calls differ) or processes that failed ``when``."""
     if status is None:
         return
-    # jax.device_get, not np.asarray: on an accelerator reading a device buffer is a
-    # device-to-host transfer, implicit for np.asarray (refused under
-    # jax.transfer_guard('disallow')), explicit for device_get. (On CPU np.asarray is a
-    # zero-copy view, which no guard sees.)
-    everyone = np.asarray(jax.device_get(status.addressable_shards[0].data))
-    count = len(everyone) // 2
-    entries, words = everyone[:count], everyone[count:]
+    entries, words = _status_rows(status)
     calls = {p: int(v) >> 2 for p, v in enumerate(entries) if v}
     if len(set(calls.values())) > 1:
         raise RuntimeError(
@@ -392,15 +386,30 @@ def check_status(status: jax.Array | None, when: str) -> None:
             "process must make the same calls of reshard / Plan.execute, with the same "
             "arguments, in the same order"
         )
-    failed = [p for p, v in enumerate(entries) if int(v) & 1]
+    failed = _failed(entries)
     if failed:
         raise peers_failed(failed, when)
 
 
+def _status_rows(status: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    """A summed status's two rows: per process, its entry (count of calls and whether
+    it failed) and its word of the program's fingerprint (``status_input``)."""
+    # jax.device_get, not np.asarray: on an accelerator reading a device buffer is a
+    # device-to-host transfer, implicit for np.asarray (refused under
+    # jax.transfer_guard('disallow')), explicit for device_get. (On CPU np.asarray is a
+    # zero-copy view, which no guard sees.)
+    everyone = np.asarray(jax.device_get(status.addressable_shards[0].data))
+    count = len(everyone) // 2
+    return everyone[:count], everyone[count:]
+
+
+def _failed(entries: np.ndarray) -> list[int]:
+    return [p for p, v in enumerate(entries) if int(v) & 1]
+
+
 def failed_processes(status: jax.Array) -> list[int]:
     """The processes whose summed ``status`` says they failed."""
-    everyone = np.asarray(jax.device_get(status.addressable_shards[0].data))
-    return [p for p, v in enumerate(everyone[: len(everyone) // 2]) if int(v) & 1]
+    return _failed(_status_rows(status)[0])
 
 
 def shared_failure(error: BaseException, status: jax.Array, when: str) -> None:

@@ -231,11 +231,7 @@ def execute_plan(
         # buffers would free them under that array too (see ``_sharing``). Nor do they
         # hand shards over (unless may_alias=True): the output is a copy, as undonated.
         given_arrays = [v for v in values if isinstance(v, jax.Array)] if donate else []
-        spared = _sharing.shared_elsewhere(given_arrays)
-        if spared:
-            spared = _sharing.with_handles(
-                spared, {id(v): _compat.buffer_keys(_data(v)).keys() for v in given_arrays}
-            )
+        spared = _spared(given_arrays)
         alias = aliases(
             plan,
             donate=donate,
@@ -422,10 +418,7 @@ def execute_plan(
             if _sharing.version() != shared_version:
                 # Another thread recorded sharing meanwhile (a may_alias=True output
                 # of one of these inputs, say): those inputs now stay too.
-                late = _sharing.shared_elsewhere(given_arrays)
-                spared |= _sharing.with_handles(
-                    late, {id(v): _compat.buffer_keys(_data(v)).keys() for v in given_arrays}
-                )
+                spared |= _spared(given_arrays)
             # Each donated array (by identity) with its data (key data for key arrays).
             donated: dict[int, tuple[jax.Array, jax.Array]] = {}
             # Buffer keys, read only where needed: with nothing kept, every donated array
@@ -493,6 +486,18 @@ def _note_handed_over(
     for (i, _), lp, a in zip(planned, plan.leaf_plans, alias, strict=True):
         if a and lp.reused:
             _sharing.note_shared(values[i], [out[i]])
+
+
+def _spared(given: Sequence[jax.Array]) -> set[int]:
+    """ids of the donated arrays ``given`` that must not be consumed: those sharing
+    buffers with a live array outside them (``_sharing``), and handles made by hand
+    on a spared array's buffers."""
+    spared = _sharing.shared_elsewhere(given)
+    if spared:
+        spared = _sharing.with_handles(
+            spared, {id(v): _compat.buffer_keys(_data(v)).keys() for v in given}
+        )
+    return spared
 
 
 def _check_not_deleted(plan: Plan, values: Sequence[Any]) -> None:

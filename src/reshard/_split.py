@@ -354,11 +354,11 @@ def _build_then_consume(
     if not donate or not any(isinstance(x, jax.Array) for g in groups for x in g):
         return result
     del result  # holds the buffers the donation is about to hand over
+    arrays = [[x for x in g if isinstance(x, jax.Array)] for g in groups]
     for attempt in range(_PREPARE_ATTEMPTS):
         version = _sharing.version()
         # Every group's copies and program first: a failure there consumes nothing.
         with readers.reading():
-            arrays = [[x for x in g if isinstance(x, jax.Array)] for g in groups]
             commits = [_prepare_consume(a) for a in arrays]
         with readers.deleting():
             # Sharing recorded meanwhile by another thread (a may_alias=True output of
