@@ -1298,6 +1298,25 @@ def test_collective_memory_kind_changes_in_place_take_no_program(monkeypatch, pa
     check_result(x["opt"], truth, offloaded)  # inputs intact
 
 
+def _in_a_child(script: str, *args: str, timeout: float) -> str:
+    """Runs ``script`` in a fresh Python (8 simulated CPU devices, set by the script),
+    where a crash cannot take pytest down; asserts it exited with 0; its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
+    return run.stdout
+
+
 _DONATING_WHILE_ANOTHER_THREAD_READS = """
 import os, sys, threading
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -1354,20 +1373,8 @@ def test_donating_an_input_another_thread_reads_neither_crashes_nor_frees_its_ou
     # already deleted when its input's donation in another thread had decided to
     # consume it before the output was recorded. In a child process: a crash must not
     # take pytest down.
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = subprocess.run(
-        [sys.executable, "-c", _DONATING_WHILE_ANOTHER_THREAD_READS, executor, "80"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**env, "JAX_PLATFORMS": "cpu"},
-    )
-    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
-    assert "returned" in run.stdout, run.stdout
+    out = _in_a_child(_DONATING_WHILE_ANOTHER_THREAD_READS, executor, "80", timeout=240)
+    assert "returned" in out, out
 
 
 _DONATED_BETWEEN_PLANNING_AND_MOVING = """
@@ -1414,17 +1421,5 @@ print(x.is_deleted(), got["a"])
 def test_an_input_donated_between_planning_and_moving_raises_cleanly(executor: str) -> None:
     # Checked while planning, then donated by another thread before the move read it:
     # the move read a deleted array (a segmentation fault on the host executor).
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = subprocess.run(
-        [sys.executable, "-c", _DONATED_BETWEEN_PLANNING_AND_MOVING, executor],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**env, "JAX_PLATFORMS": "cpu"},
-    )
-    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-3000:])
-    assert run.stdout.startswith("True leaf <root> was deleted while this call started"), run.stdout
+    out = _in_a_child(_DONATED_BETWEEN_PLANNING_AND_MOVING, executor, timeout=120)
+    assert out.startswith("True leaf <root> was deleted while this call started"), out
