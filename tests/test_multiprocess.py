@@ -1176,6 +1176,15 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 host = _ground_truth((48, 32), dt, 9)
                 move(host, ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t")))
                 move(host, ns(devs[1 : half + 1], ("f",), P(None, "f")), ns(devs, ("t",), P("t")))
+        # Made with it on, moved with it off: still whole (a program traced with it off
+        # keeps only the low 32 bits of each element).
+        for dt in (np.uint64, np.complex128):
+            host = _ground_truth((16, 8), dt, 10)
+            src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[::-1], ("t",), P(None, "t"))
+            with jax.enable_x64(True):
+                x = make(host, src)
+            check(reshard.reshard(x, dst), host, dst)
+            check(x, host, src)
 
     def host_values_put_on_every_process() -> None:
         # Host values put on devices of every process (a Python scalar, numpy arrays of

@@ -152,6 +152,46 @@ def test_random_64_bit_types_with_x64_on(case, dtype, executor, seed):
         _collective_executor.PACK_ON_HOST = saved
 
 
+@settings(max_examples=30)
+@given(
+    case=cases(),
+    dtype=st.sampled_from(["float64", "int64", "uint64", "complex128"]),
+    executor=st.sampled_from(["auto", "host", "device", "collective"]),
+    donate=st.booleans(),
+    may_alias=st.sampled_from([None, True, False]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_64_bit_arrays_move_whole_with_x64_off(
+    case, dtype, executor, donate, may_alias, seed
+):
+    # Made under jax.enable_x64, moved with it off: a program traced with it off reads
+    # such an argument as its 32-bit type (each element kept its low 32 bits, through
+    # every executor and jax.device_put's own relayout). Host values in the same call
+    # are still typed as x64 off says.
+    src, dst, shape, _ = case
+    assert not jax.config.jax_enable_x64
+    with jax.enable_x64(True):
+        truth = random_values(np.random.default_rng(seed), shape, dtype)
+        x = place(truth, src)
+    rep = NamedSharding(dst.mesh, P(), memory_kind=dst.memory_kind)
+    tree = {"x": x, "py": 1.5, "np": np.arange(3.0)}
+    y = reshard.reshard(
+        tree,
+        {"x": dst, "py": rep, "np": rep},
+        executor=executor,
+        donate=donate,
+        may_alias=may_alias,
+    )
+    check_result(y["x"], truth, dst)
+    assert (y["py"].dtype, y["py"].weak_type, y["np"].dtype) == (np.float32, True, np.float32)
+    if not donate:
+        check_result(x, truth, src)
+    # The seed helpers assemble such arrays whole too.
+    axis = dst.mesh.axis_names[0]
+    parts = reshard.split_by_mesh_axis(y["x"], axis)
+    check_result(reshard.concatenate_by_mesh_axis(parts, axis), truth, dst)
+
+
 @pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])
 def test_64_bit_integers_relaid_across_devices_with_x64_on(monkeypatch, pack_on_host):
     from reshard import _collective_executor

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import importlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -113,6 +113,23 @@ def moving_bytes() -> Iterator[None]:
             with contextlib.suppress(ValueError):
                 stack.enter_context(jax.set_mesh(None))
         yield
+
+
+# The types a program traced with jax_enable_x64 off cannot take whole.
+_WIDE = frozenset({"int64", "uint64", "float64", "complex128"})
+
+
+def wide_types_whole(dtypes: Iterable[Any]) -> contextlib.AbstractContextManager[Any]:
+    """``jax_enable_x64`` on while programs move arrays of ``dtypes``, where one of them
+    is a 64-bit type and it is off (they exist: made under ``jax.enable_x64``, or before
+    the flag was turned off). A program traced with it off reads such an argument as its
+    32-bit counterpart: every element keeps only its low 32 bits, and
+    ``jax.device_put`` itself gives that for a relayout (jax 0.10). PjRt's own copies
+    take them whole. Host values put meanwhile must be typed as the caller's setting
+    says (``jax.enable_x64(x64)`` around them)."""
+    if not jax.enable_x64.value and any(getattr(d, "name", "") in _WIDE for d in dtypes):
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
 
 
 def ordered_devices(sharding: Sharding) -> tuple[Any, ...]:

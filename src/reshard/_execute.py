@@ -209,7 +209,15 @@ def execute_plan(
     # process may donate (delete) these inputs only while this one reads none of
     # their buffers (``_sharing.readers``).
     readers = _sharing.readers
-    with _collective_common.interrupts_held(plan.crosses_processes), readers.reading():
+    # 64-bit arrays with jax_enable_x64 off: programs take them whole, host values are
+    # still typed as the caller's setting says.
+    x64 = bool(jax.enable_x64.value)
+    wide = [leaf.dtype for leaf in plan.leaves if leaf.kind != HOST]
+    with (
+        _collective_common.interrupts_held(plan.crosses_processes),
+        readers.reading(),
+        _compat.wide_types_whole(wide),
+    ):
         if readers.deletions != deletions:  # some were donated meanwhile: still here?
             _check_not_deleted(plan, values)
         planned = [(i, leaf) for i, leaf in enumerate(plan.leaves) if leaf.kind != HOST]
@@ -388,12 +396,13 @@ def execute_plan(
         # may share their buffers.
         given = [i for i in host if isinstance(values[i], jax.Array)] if donate else []
         if host:
-            placed = put_host_values(
-                [plan.leaves[i] for i in host],
-                [values[i] for i in host],
-                # (None would return an unchanged one itself: a copy, as every array.)
-                may_alias=bool(may_alias is True and not given),
-            )
+            with jax.enable_x64(x64):
+                placed = put_host_values(
+                    [plan.leaves[i] for i in host],
+                    [values[i] for i in host],
+                    # (None would return an unchanged one itself: a copy, as every array.)
+                    may_alias=bool(may_alias is True and not given),
+                )
             for i, arr in zip(host, placed, strict=True):
                 out[i] = arr
                 # An output that shares the input's buffers (may_alias=True) is recorded as
@@ -414,7 +423,7 @@ def execute_plan(
 
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
-        with readers.deleting():
+        with readers.deleting(), _compat.wide_types_whole(wide):
             if _sharing.version() != shared_version:
                 # Another thread recorded sharing meanwhile (a may_alias=True output
                 # of one of these inputs, say): those inputs now stay too.

@@ -346,6 +346,16 @@ def _build_then_consume(
       build: makes the result from ``groups``.
       donate: whether the inputs are consumed.
     """
+    # 64-bit arrays with jax_enable_x64 off are assembled and donated whole.
+    with _compat.wide_types_whole(x.dtype for g in groups for x in g):
+        return _build_then_consume_whole(groups, build, donate)
+
+
+def _build_then_consume_whole(
+    groups: Sequence[Sequence[Leaf]],
+    build: Callable[[Sequence[Sequence[Leaf]]], _R],
+    donate: bool,
+) -> _R:
     # Read (and their sharing recorded) while no other thread's call deletes them, and
     # consumed while no other thread's call reads them (``_sharing.readers``).
     readers = _sharing.readers
