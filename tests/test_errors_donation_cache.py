@@ -1423,3 +1423,41 @@ def test_an_input_donated_between_planning_and_moving_raises_cleanly(executor: s
     # the move read a deleted array (a segmentation fault on the host executor).
     out = _in_a_child(_DONATED_BETWEEN_PLANNING_AND_MOVING, executor, timeout=120)
     assert out.startswith("True leaf <root> was deleted while this call started"), out
+
+
+_USING_CONSUMED_KEY_ARRAYS = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import numpy as np, jax, reshard
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sharding = NamedSharding(Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y")), P("y"))
+keys = jax.random.split(jax.random.key(3), 8)
+jax.device_put(keys, sharding)[0]  # (the crash needed this indexing run once, live)
+
+
+def use(a):
+    try:
+        a[0]
+        return "used"
+    except RuntimeError as e:
+        return "deleted" if "deleted" in str(e) else repr(e)
+
+
+x = jax.device_put(keys, sharding)
+parts = reshard.split_by_mesh_axis(x, "x", donate=True)
+part = jax.device_put(parts[1], parts[1].sharding, may_alias=False)
+joined = reshard.concatenate_by_mesh_axis([parts[0], part], "x")
+y = jax.device_put(keys, sharding)
+reshard.reshard(y, NamedSharding(sharding.mesh, P("x")), donate=True)
+print(use(x), use(part), use(y), use(joined))
+"""
+
+
+def test_key_arrays_consumed_by_the_seed_helpers_raise_when_used() -> None:
+    # A key array donated through its data reads as deleted, but indexing it crashed
+    # the process (jax 0.10; pure JAX does the same after donating one to jax.jit)
+    # where a deleted array raises: split_by_mesh_axis(donate=True) and
+    # concatenate_by_mesh_axis now delete what they consume in every case.
+    out = _in_a_child(_USING_CONSUMED_KEY_ARRAYS, timeout=120)
+    assert out.split() == ["deleted", "deleted", "deleted", "used"], out

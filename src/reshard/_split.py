@@ -317,11 +317,12 @@ def _prepare_consume(arrays: Sequence[jax.Array]) -> Callable[[], list[jax.Array
         fresh = donate()
         swap: dict[int, jax.Array] = {}
         for a, b in zip([*tied, *alone], [*copies, *fresh], strict=True):
-            if not a.is_deleted():
-                # Copied; declined (some buffers copied); or nothing here to donate (no
-                # device of it on this process): deleted all the same, as on every
-                # process.
-                a.delete()
+            # Copied; declined (some buffers copied); or nothing here to donate (no
+            # device of it on this process): deleted all the same, as on every process.
+            # Donated, deleted again: a key array donated through its data reads as
+            # deleted, but indexing it then crashed the process (jax 0.10) where a
+            # deleted one raises.
+            a.delete()
             swap[id(a)] = b
         return [swap.get(id(a), a) for a in arrays]
 
