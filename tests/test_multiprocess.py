@@ -1254,6 +1254,12 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             raise AssertionError("an uncommitted key put on a GSPMDSharding did not raise")
         except ValueError as e:
             assert "leaf ['k']: an uncommitted key array can be put on devices" in str(e), e
+        # So is a committed one (jax.device_put raised different errors per process).
+        try:
+            reshard.reshard({"k": y["key"]}, g)
+            raise AssertionError("a key moved onto a GSPMDSharding across processes did not raise")
+        except ValueError as e:
+            assert "leaf ['k']: a key array on a NamedSharding -> GSPMDSharding" in str(e), e
         want = {
             "py": (np.array(3, np.int32), True),
             "f64": (f64.astype(np.float32), False),

@@ -552,7 +552,17 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
         extra = len(data_shape) - len(shape)
         ds, dd = _key_data_sharding(src, extra), _key_data_sharding(dst, extra)
         if ds is None or dd is None:
-            # Key arrays with exotic shardings: fall back to jax.device_put.
+            # Key arrays with exotic shardings: fall back to jax.device_put, which moves
+            # them within this process only (across processes jax 0.10 raised different
+            # errors on different processes).
+            if not (src.is_fully_addressable and dst.is_fully_addressable):
+                raise ValueError(
+                    f"leaf {where}: a key array on a {type(src).__name__} -> "
+                    f"{type(dst).__name__} moves only between devices of this process "
+                    "(through jax.device_put), and these hold devices of another process; "
+                    "give it a NamedSharding or SingleDeviceSharding, on which reshard "
+                    "moves key arrays anywhere"
+                )
             return LeafInfo(path, HOST, shape, dtype, src, dst)
         return LeafInfo(path, KEY, shape, dtype, src, dst, ds, dd)
     return LeafInfo(path, ARRAY, shape, dtype, src, dst)
