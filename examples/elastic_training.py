@@ -131,10 +131,12 @@ def device_ids(tree: Any) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny model and few steps (tests)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per phase")
+    ap.add_argument("--steps", type=int, default=None, help="steps per phase (>= 1)")
     args = ap.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
     d_in, hidden, n, steps = (16, 32, 64, 6) if args.small else (64, 512, 1024, 30)
-    steps = args.steps or steps
+    steps = args.steps if args.steps is not None else steps
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)-7s %(name)s: %(message)s", stream=sys.stdout
     )

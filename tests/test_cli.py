@@ -239,7 +239,10 @@ def test_demo_device_counts_that_inflate_the_tree_are_named(
     ):
         _cli_demo._check_args(argparse.Namespace(devices=30, processes=1, size_mb=4300.0))
     _cli_demo._check_args(argparse.Namespace(devices=30, processes=1, size_mb=1.0))
-    assert "the tree is 101.8 MiB, not ~1 MiB" in capsys.readouterr().err
+    assert "the tree is 101.8 MiB, not ~1.0 MiB" in capsys.readouterr().err
+    # (Below a MiB in KiB and bytes: it read "0.0 MiB, not ~0.0001 MiB".)
+    _cli_demo._check_args(argparse.Namespace(devices=2, processes=1, size_mb=0.0001))
+    assert "the tree is 1.0 KiB, not ~105 B" in capsys.readouterr().err
     # Every process builds the whole tree: a size that one process fits, four do not.
     _cli_demo._check_args(argparse.Namespace(devices=8, processes=1, size_mb=200.0))
     with pytest.raises(
@@ -684,6 +687,9 @@ def test_a_value_starting_with_a_dash_that_is_valid_is_shown_how_to_pass() -> No
 def test_bad_environment_is_one_line_exit_2() -> None:
     res = run_cli("demo", "--processes", "2", RESHARD_DEMO_TIMEOUT_S="abc")
     one_line_usage_error(res, "RESHARD_DEMO_TIMEOUT_S='abc'", "seconds")
+    # Read by every child process: checked before they start (it was two tracebacks).
+    res = run_cli("demo", "--processes", "2", RESHARD_COLLECTIVE_TIMEOUT_S="abc")
+    one_line_usage_error(res, "RESHARD_COLLECTIVE_TIMEOUT_S must be", "got 'abc'")
 
 
 def test_demo_timeout_names_the_variable_to_raise() -> None:

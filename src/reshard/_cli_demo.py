@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--processes",
         type=positive_int,
         default=1,
-        help="run across this many local JAX processes (multi-controller)",
+        help="run across this many local JAX processes (multi-controller; default: 1)",
     )
     add_output_arguments(p)
 
@@ -177,8 +177,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if tree_mib > 2 * args.size_mb:
         print(
             f"reshard demo: note: with --devices {n} the model's width must be a multiple "
-            f"of {unit}, so the tree is {tree_mib:,.1f} MiB, not ~{args.size_mb:g} "
-            "MiB; a device count with smaller factors keeps it near --size-mb",
+            f"of {unit}, so the tree is {human_bytes(tree_mib * 2**20)}, not "
+            f"~{human_bytes(args.size_mb * 2**20)}; a device count with smaller factors "
+            "keeps it near --size-mb",
             file=sys.stderr,
         )
 
@@ -261,8 +262,12 @@ def _run_processes(args: argparse.Namespace) -> dict[str, Any] | None:
             file=sys.stderr,
         )
         return None
-    from . import _launch
+    from . import _collective_executor, _launch
 
+    try:  # read by every child: a bad value is a usage error here, not N tracebacks
+        _collective_executor.collective_timeout_s()
+    except ValueError as e:
+        raise UsageError(f"{e}; set it like {_collective_executor.ENV_TIMEOUT_S}=600") from None
     try:
         results = _launch.launch_local(
             "reshard._cli_scenarios:process_main",

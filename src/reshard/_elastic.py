@@ -54,6 +54,7 @@ class DeviceLossError(RuntimeError):
       devices: the ids of the lost devices.
 
     Example:
+      >>> from reshard import DeviceLossError
       >>> raise DeviceLossError([4, 5])
       Traceback (most recent call last):
       ...
@@ -232,6 +233,7 @@ def parse_lost_devices(error: BaseException) -> frozenset[int]:
       The ids of the failed devices named in ``error``.
 
     Example:
+      >>> from reshard import parse_lost_devices
       >>> sorted(parse_lost_devices(RuntimeError("UNAVAILABLE: TPU_3 heartbeat timed out")))
       [3]
     """

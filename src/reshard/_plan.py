@@ -126,6 +126,9 @@ class Plan:
 
     @property
     def planned_leaves(self) -> tuple[LeafInfo, ...]:
+        """The leaves the plan's executor moves: every one but the host values (Python
+        scalars, numpy arrays and the like, which are put as ``jax.device_put`` puts
+        them)."""
         return tuple(leaf for leaf in self.leaves if leaf.kind != HOST)
 
     @property

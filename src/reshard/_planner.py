@@ -132,18 +132,22 @@ class PlanStats:
 
     @property
     def max_send_bytes(self) -> int:
+        """The most bytes any one device sends (0 where nothing moves)."""
         return max(self.send_bytes.values(), default=0)
 
     @property
     def mean_send_bytes(self) -> float:
+        """The bytes a device sends, on average over the devices that send any."""
         senders = [b for b in self.send_bytes.values() if b]
         return sum(senders) / len(senders) if senders else 0.0
 
     @property
     def max_peak_extra_bytes(self) -> int:
+        """The largest planned peak of extra bytes on any one device."""
         return max(self.peak_extra_bytes.values(), default=0)
 
     def as_dict(self) -> dict[str, object]:
+        """The statistics as a JSON-ready dict (per-device maps keyed by the id as text)."""
         return {
             "array_bytes": self.array_bytes,
             "bytes_total": self.bytes_total,
