@@ -419,6 +419,18 @@ def checks_single_device() -> None:
                 np.int64, True, np.float64
             ), (out["i"].dtype, out["i"].weak_type, out["f"].dtype)  # fmt: skip
             assert _exact._check(D0, np.dtype(np.float32)), "the bit check did not run"
+    # Made with it on, moved with it off (the default): a program traced with it off
+    # reads such an array as its 32-bit type, so the library's programs run with it on.
+    for ex in EXECUTORS:
+        with check(f"[{ex}] 64-bit types made with jax_enable_x64 on, moved with it off"):
+            src = ns(MESH1, P("x"))
+            dsts = [src, ns(MESH1, P(None, "x"))] + [ns(MESH1, P("x"), k) for k in HOST_KINDS]
+            for i, dt in enumerate((np.int64, np.uint64, np.float64, np.complex128)):
+                h = truth64((64, 48), dt, 50 + i)
+                with jax.enable_x64(True):
+                    x = put(h, src)
+                for dst in dsts:
+                    verify(run(x, dst, ex), h, dst, f"{np.dtype(dt).name} -> {dst}")
     # Async dispatch: a reshard of a result still being computed, then deletion of the
     # source right after the call (the runtime must keep it until its reads are done).
     for ex in EXECUTORS:
