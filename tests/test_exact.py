@@ -123,6 +123,16 @@ def test_a_check_that_fails_to_run_says_no_once(monkeypatch):
     assert len(calls) == 1
 
 
+def test_a_transfer_guard_of_the_caller_does_not_decide_the_check(monkeypatch):
+    # Under jax.transfer_guard("disallow_explicit") the first call's check could not
+    # put its probe values, and float32 went through host memory for good after.
+    monkeypatch.setattr(_exact, "_known", {})
+    cpu = jax.devices()[0]
+    with jax.transfer_guard("disallow_explicit"):
+        assert _exact.programs_keep_bits(cpu, np.dtype(np.float32))
+    assert _exact._known == {("cpu", cpu.device_kind, "float32", False): True}
+
+
 def test_the_copy_program_is_judged_on_its_own(monkeypatch):
     # (On a TPU v5e a copy program keeps bf16, which the other programs do not.)
     monkeypatch.setattr(_exact, "_known", {})
