@@ -689,7 +689,7 @@ def test_bad_environment_is_one_line_exit_2() -> None:
     one_line_usage_error(res, "RESHARD_DEMO_TIMEOUT_S='abc'", "seconds")
     # Read by every child process: checked before they start (it was two tracebacks).
     res = run_cli("demo", "--processes", "2", RESHARD_COLLECTIVE_TIMEOUT_S="abc")
-    one_line_usage_error(res, "RESHARD_COLLECTIVE_TIMEOUT_S must be", "got 'abc'")
+    one_line_usage_error(res, "RESHARD_COLLECTIVE_TIMEOUT_S must be", "got 'abc'", "or unset it")
 
 
 def test_demo_timeout_names_the_variable_to_raise() -> None:

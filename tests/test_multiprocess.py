@@ -1183,8 +1183,10 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[::-1], ("t",), P(None, "t"))
             with jax.enable_x64(True):
                 x = make(host, src)
+                u = jnp.asarray(host)  # uncommitted: put from each process's host copy
             check(reshard.reshard(x, dst), host, dst)
             check(x, host, src)
+            check(reshard.reshard(u, dst), host, dst)
 
     def host_values_put_on_every_process() -> None:
         # Host values put on devices of every process (a Python scalar, numpy arrays of
@@ -1254,12 +1256,28 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             raise AssertionError("an uncommitted key put on a GSPMDSharding did not raise")
         except ValueError as e:
             assert "leaf ['k']: an uncommitted key array can be put on devices" in str(e), e
-        # So is a committed one (jax.device_put raised different errors per process).
+        # So is a committed one (jax.device_put raised on every process).
         try:
             reshard.reshard({"k": y["key"]}, g)
             raise AssertionError("a key moved onto a GSPMDSharding across processes did not raise")
         except ValueError as e:
             assert "leaf ['k']: a key array on a NamedSharding -> GSPMDSharding" in str(e), e
+        # Between devices of one process, it moves there (jax.device_put); the others'
+        # results hold no shard (jax.device_put refused the sharding there), beside a
+        # leaf that crosses processes.
+        first = [d for d in devs if d.process_index == 0]
+        k0 = reshard.reshard(jax.random.key(5), ns(first, ("a",), P()))
+        on_first = ns(first[::-1], ("a",), P())
+        g0 = sharding_impls.GSPMDSharding(
+            on_first._device_assignment, on_first._to_xla_hlo_sharding(0)
+        )
+        both = reshard.reshard({"k": k0, "arr": x["arr"]}, {"k": g0, "arr": dst["arr"]})
+        check(both["arr"], b, dst["arr"])
+        assert both["k"].sharding == g0 and both["k"].dtype == k0.dtype, both["k"].sharding
+        want = np.asarray(jax.random.key_data(jax.random.key(5)))
+        for shard in both["k"].addressable_shards:
+            assert np.array_equal(np.asarray(jax.random.key_data(shard.data)), want)
+        assert len(both["k"].addressable_shards) == (len(first) if me == 0 else 0)
         want = {
             "py": (np.array(3, np.int32), True),
             "f64": (f64.astype(np.float32), False),

@@ -184,12 +184,15 @@ def test_random_64_bit_arrays_move_whole_with_x64_off(
     )
     check_result(y["x"], truth, dst)
     assert (y["py"].dtype, y["py"].weak_type, y["np"].dtype) == (np.float32, True, np.float32)
-    if not donate:
+    if donate:
+        assert x.is_deleted()
+    else:
         check_result(x, truth, src)
-    # The seed helpers assemble such arrays whole too.
+    # The seed helpers assemble (and donate) such arrays whole too.
     axis = dst.mesh.axis_names[0]
-    parts = reshard.split_by_mesh_axis(y["x"], axis)
+    parts = reshard.split_by_mesh_axis(y["x"], axis, donate=donate)
     check_result(reshard.concatenate_by_mesh_axis(parts, axis), truth, dst)
+    assert not jax.config.jax_enable_x64  # (restored)
 
 
 @pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 
 from . import _collective_common, _compat, _programs, _sharing
 from ._errors import DataLossError
-from ._execute import _whole_copy, device_peak_extra, execute_plan, traced_leaf
+from ._execute import _whole_copy, device_peak_extra, execute_plan, processes_of, traced_leaf
 from ._geometry import box_from_index
 from ._mesh_surgery import (
     _listed,
@@ -553,15 +553,16 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
         ds, dd = _key_data_sharding(src, extra), _key_data_sharding(dst, extra)
         if ds is None or dd is None:
             # Key arrays with exotic shardings: fall back to jax.device_put, which moves
-            # them within this process only (across processes jax 0.10 raised different
-            # errors on different processes).
-            if not (src.is_fully_addressable and dst.is_fully_addressable):
+            # them within one process only (across processes jax 0.10 raised errors,
+            # different ones on some layouts). Decided alike on every process; where
+            # that one process is another, this one's result holds no shard.
+            if len(processes_of(src, dst)) > 1:
                 raise ValueError(
                     f"leaf {where}: a key array on a {type(src).__name__} -> "
-                    f"{type(dst).__name__} moves only between devices of this process "
-                    "(through jax.device_put), and these hold devices of another process; "
-                    "give it a NamedSharding or SingleDeviceSharding, on which reshard "
-                    "moves key arrays anywhere"
+                    f"{type(dst).__name__} moves only between devices of one process "
+                    "(through jax.device_put), and these are devices of processes "
+                    f"{sorted(processes_of(src, dst))}; give it a NamedSharding or "
+                    "SingleDeviceSharding, on which reshard moves key arrays anywhere"
                 )
             return LeafInfo(path, HOST, shape, dtype, src, dst)
         return LeafInfo(path, KEY, shape, dtype, src, dst, ds, dd)

@@ -24,7 +24,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn, TextIO, cast
 
 EXIT_USAGE = 2
@@ -258,6 +258,16 @@ class _NoTrailingSpaces:
         return getattr(self._stream, name)
 
 
+def check_env(read: Callable[[], object], example: str) -> None:
+    """Calls ``read`` (which reads an environment variable, raising ``ValueError`` for
+    a bad value); a bad value becomes a ``UsageError`` that shows how to set it
+    (``example``)."""
+    try:
+        read()
+    except ValueError as e:
+        raise UsageError(f"{e}; set it like {example}, or unset it") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``reshard`` console script and of ``python -m reshard``.
 
@@ -274,14 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         prog = f"reshard {args.command}"
-        try:  # read by the CPU executor: a bad value is a usage error, not a traceback
-            from ._buffers import limit_from_env
+        from ._buffers import limit_from_env
 
-            limit_from_env()
-        except ValueError as e:
-            raise UsageError(
-                f"{e}; set it like RESHARD_HOST_POOL_BYTES=1073741824, or unset it"
-            ) from None
+        # Read by the CPU executor: a bad value is a usage error, not a traceback.
+        check_env(limit_from_env, "RESHARD_HOST_POOL_BYTES=1073741824")
         code = int(args.run(args, console()))
         out.flush()  # a closed pipe shows here at the latest, not at the interpreter's exit
         return code

@@ -30,6 +30,7 @@ from ._cli import (
     EXIT_USAGE,
     UsageError,
     add_output_arguments,
+    check_env,
     memory_mib,
     positive_float,
     positive_int,
@@ -264,10 +265,10 @@ def _run_processes(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     from . import _collective_executor, _launch
 
-    try:  # read by every child: a bad value is a usage error here, not N tracebacks
-        _collective_executor.collective_timeout_s()
-    except ValueError as e:
-        raise UsageError(f"{e}; set it like {_collective_executor.ENV_TIMEOUT_S}=600") from None
+    # Read by every child: a bad value is a usage error here, not one traceback each.
+    check_env(
+        _collective_executor.collective_timeout_s, f"{_collective_executor.ENV_TIMEOUT_S}=600"
+    )
     try:
         results = _launch.launch_local(
             "reshard._cli_scenarios:process_main",

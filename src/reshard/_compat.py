@@ -116,18 +116,34 @@ def moving_bytes() -> Iterator[None]:
 
 
 # The types a program traced with jax_enable_x64 off cannot take whole.
-_WIDE = frozenset({"int64", "uint64", "float64", "complex128"})
+_WIDE = frozenset(np.dtype(n) for n in ("int64", "uint64", "float64", "complex128"))
+
+
+def wide_types(dtypes: Iterable[Any]) -> tuple[np.dtype, ...]:
+    """Those of ``dtypes`` that programs traced with ``jax_enable_x64`` off cannot take
+    whole (the 64-bit types), once each."""
+    return tuple({d for d in dtypes if isinstance(d, np.dtype) and d in _WIDE})
 
 
 def wide_types_whole(dtypes: Iterable[Any]) -> contextlib.AbstractContextManager[Any]:
-    """``jax_enable_x64`` on while programs move arrays of ``dtypes``, where one of them
-    is a 64-bit type and it is off (they exist: made under ``jax.enable_x64``, or before
-    the flag was turned off). A program traced with it off reads such an argument as its
-    32-bit counterpart: every element keeps only its low 32 bits, and
-    ``jax.device_put`` itself gives that for a relayout (jax 0.10). PjRt's own copies
-    take them whole. Host values put meanwhile must be typed as the caller's setting
-    says (``jax.enable_x64(x64)`` around them)."""
-    if not jax.enable_x64.value and any(getattr(d, "name", "") in _WIDE for d in dtypes):
+    """A context in which programs take arrays of ``dtypes`` whole.
+
+    Arrays of 64-bit types exist while ``jax_enable_x64`` is off: made under
+    ``jax.enable_x64``, or before the flag was turned off. A program traced with the
+    flag off reads such an argument as its 32-bit counterpart, and every element keeps
+    only its low 32 bits (``jax.device_put``'s own relayout does that, jax 0.10);
+    ``jax.make_array_from_single_device_arrays`` refuses their shards. PjRt's own
+    copies take them whole.
+
+    Args:
+      dtypes: the element types of the arrays the programs move.
+
+    Returns:
+      ``jax.enable_x64(True)`` where one of ``dtypes`` is a 64-bit type and the flag is
+      off, else a context that changes nothing. Host values put meanwhile must be typed
+      as the caller's setting says (``jax.enable_x64(x64)`` around them).
+    """
+    if not jax.enable_x64.value and wide_types(dtypes):
         return jax.enable_x64(True)
     return contextlib.nullcontext()
 

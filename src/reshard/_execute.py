@@ -212,7 +212,11 @@ def execute_plan(
     # 64-bit arrays with jax_enable_x64 off: programs take them whole, host values are
     # still typed as the caller's setting says.
     x64 = bool(jax.enable_x64.value)
-    wide = [leaf.dtype for leaf in plan.leaves if leaf.kind != HOST]
+    wide = plan._cache.get("wide types")
+    if wide is None:
+        wide = plan._cache["wide types"] = _compat.wide_types(
+            leaf.dtype for leaf in plan.planned_leaves
+        )
     with (
         _collective_common.interrupts_held(plan.crosses_processes),
         readers.reading(),
@@ -581,7 +585,10 @@ def put_host_values(
     arrays on shardings other than named ones, and across processes uncommitted
     arrays) onto their destination shardings.
 
-    Across processes, values other than committed arrays are put from this process's
+    Across processes, a key array moved between devices of another process alone
+    comes out here as it does for the planned leaves: an array with no shard here
+    (``jax.device_put`` refuses a sharding of no device of this process). Values other
+    than committed arrays are put from this process's
     copy of them where their destination is not on this process's devices alone, with
     the type, weak type and abstract value ``jax.device_put`` gives them. There
     ``jax.device_put`` refuses uncommitted key arrays, and fails on some processes for
@@ -600,10 +607,14 @@ def put_host_values(
     """
     shardings = [leaf.dst_sharding for leaf in leaves]
     ours = _put_from_host(values, shardings)
-    if not ours:
+    elsewhere = _held_elsewhere(values, shardings)
+    if not ours and not elsewhere:
         return list(jax.device_put(list(values), shardings, may_alias=may_alias))
     out: list[Any] = [None] * len(values)
-    rest = sorted(set(range(len(values))) - set(ours))
+    for i in elsewhere:
+        v = values[i]
+        out[i] = jax.make_array_from_single_device_arrays(v.shape, shardings[i], [], dtype=v.dtype)
+    rest = sorted(set(range(len(values))) - set(ours) - set(elsewhere))
     if rest:
         placed = jax.device_put(
             [values[i] for i in rest], [shardings[i] for i in rest], may_alias=may_alias
@@ -612,7 +623,7 @@ def put_host_values(
             out[i] = arr
     forms = {i: _host_form(values[i]) for i in ours}
     # Those put on devices of every process.
-    checked = [i for i in ours if len(_processes(shardings[i])) == jax.process_count()]
+    checked = [i for i in ours if len(processes_of(shardings[i])) == jax.process_count()]
     if checked:
         _check_equal_across_processes([leaves[i] for i in checked], [forms[i] for i in checked])
     for i, (host, weak, impl) in forms.items():
@@ -622,13 +633,29 @@ def put_host_values(
         def block(idx: Any, host: np.ndarray = host) -> np.ndarray:
             return host[idx]  # type: ignore[no-any-return]
 
-        arr = jax.make_array_from_callback(host.shape, s, block, dtype=host.dtype)
-        if impl is not None:
-            out[i] = jax.random.wrap_key_data(arr, impl=impl)
-        else:
-            aval = _compat.device_put_aval(host.shape, host.dtype, s, weak)
-            out[i] = _compat.finish(arr, aval, fresh=True)
+        # (An uncommitted array of a 64-bit type made with jax_enable_x64 on is one
+        # still, whole, as in one process.)
+        with _compat.wide_types_whole([host.dtype]):
+            arr = jax.make_array_from_callback(host.shape, s, block, dtype=host.dtype)
+            if impl is not None:
+                out[i] = jax.random.wrap_key_data(arr, impl=impl)
+            else:
+                aval = _compat.device_put_aval(host.shape, host.dtype, s, weak)
+                out[i] = _compat.finish(arr, aval, fresh=True)
     return out
+
+
+def _held_elsewhere(values: Sequence[Any], shardings: Sequence[Sharding]) -> list[int]:
+    """Which of ``values`` are committed arrays (key arrays on shardings neither named
+    nor single-device) moved between devices of another process alone."""
+    if jax.process_count() == 1:
+        return []
+    me = jax.process_index()
+    return [
+        i
+        for i, (v, s) in enumerate(zip(values, shardings, strict=True))
+        if isinstance(v, jax.Array) and v.committed and me not in processes_of(v.sharding, s)
+    ]
 
 
 def _check_equal_across_processes(
@@ -679,8 +706,9 @@ def _host_form(v: Any) -> tuple[np.ndarray, bool, Any]:
     return np.asarray(x), bool(x.weak_type), None
 
 
-def _processes(s: Sharding) -> set[int]:
-    devices: set[Any] = set(s.device_set)
+def processes_of(*shardings: Sharding) -> set[int]:
+    """The processes whose devices ``shardings`` use."""
+    devices: set[Any] = {d for s in shardings for d in s.device_set}
     return {d.process_index for d in devices}
 
 

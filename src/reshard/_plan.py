@@ -126,9 +126,10 @@ class Plan:
 
     @property
     def planned_leaves(self) -> tuple[LeafInfo, ...]:
-        """The leaves the plan's executor moves: every one but the host values (Python
-        scalars, numpy arrays and the like, which are put as ``jax.device_put`` puts
-        them)."""
+        """The leaves the plan's executor moves: every one but those put as
+        ``jax.device_put`` puts them (Python scalars, numpy arrays, key arrays on
+        shardings neither named nor single-device, and across processes uncommitted
+        arrays)."""
         return tuple(leaf for leaf in self.leaves if leaf.kind != HOST)
 
     @property

@@ -319,10 +319,10 @@ def _prepare_consume(arrays: Sequence[jax.Array]) -> Callable[[], list[jax.Array
         for a, b in zip([*tied, *alone], [*copies, *fresh], strict=True):
             # Copied; declined (some buffers copied); or nothing here to donate (no
             # device of it on this process): deleted all the same, as on every process.
-            # Donated, deleted again: a key array donated through its data reads as
-            # deleted, but indexing it then crashed the process (jax 0.10) where a
-            # deleted one raises.
-            a.delete()
+            # A donated key array is deleted too: it reads as deleted, but indexing it
+            # then crashed the process (jax 0.10) where a deleted one raises.
+            if not a.is_deleted() or jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                a.delete()
             swap[id(a)] = b
         return [swap.get(id(a), a) for a in arrays]
 
