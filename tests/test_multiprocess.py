@@ -1261,23 +1261,32 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             reshard.reshard({"k": y["key"]}, g)
             raise AssertionError("a key moved onto a GSPMDSharding across processes did not raise")
         except ValueError as e:
-            assert "leaf ['k']: a key array on a NamedSharding -> GSPMDSharding" in str(e), e
+            message = str(e)
+            assert "leaf ['k']: a key array on a NamedSharding -> GSPMDSharding" in message, e
+            assert f"devices of processes {list(range(jax.process_count()))}" in message, e
         # Between devices of one process, it moves there (jax.device_put); the others'
         # results hold no shard (jax.device_put refused the sharding there), beside a
-        # leaf that crosses processes.
+        # leaf that crosses processes; donated, it is consumed on every process. So is
+        # an uncommitted one put there.
         first = [d for d in devs if d.process_index == 0]
         k0 = reshard.reshard(jax.random.key(5), ns(first, ("a",), P()))
         on_first = ns(first[::-1], ("a",), P())
         g0 = sharding_impls.GSPMDSharding(
             on_first._device_assignment, on_first._to_xla_hlo_sharding(0)
         )
-        both = reshard.reshard({"k": k0, "arr": x["arr"]}, {"k": g0, "arr": dst["arr"]})
+        both = reshard.reshard(
+            {"k": k0, "arr": make(b, ns(devs[:1], ("a",), P())), "u": jax.random.key(5)},
+            {"k": g0, "arr": dst["arr"], "u": g0},
+            donate=True,
+        )
         check(both["arr"], b, dst["arr"])
-        assert both["k"].sharding == g0 and both["k"].dtype == k0.dtype, both["k"].sharding
-        want = np.asarray(jax.random.key_data(jax.random.key(5)))
-        for shard in both["k"].addressable_shards:
-            assert np.array_equal(np.asarray(jax.random.key_data(shard.data)), want)
-        assert len(both["k"].addressable_shards) == (len(first) if me == 0 else 0)
+        assert k0.is_deleted()
+        data = np.asarray(jax.random.key_data(jax.random.key(5)))
+        for k in ("k", "u"):
+            assert both[k].sharding == g0 and both[k].dtype == k0.dtype, (k, both[k].sharding)
+            for shard in both[k].addressable_shards:
+                assert np.array_equal(np.asarray(jax.random.key_data(shard.data)), data), k
+            assert len(both[k].addressable_shards) == (len(first) if me == 0 else 0), k
         want = {
             "py": (np.array(3, np.int32), True),
             "f64": (f64.astype(np.float32), False),

@@ -506,13 +506,14 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
             # Put from its key data (``put_host_values``), on the data's sharding.
             _check_key_destination(where, dst)
             dd = _key_data_sharding(dst, len(key_data_shape(shape, dtype)) - len(shape))
-            if dd is None:
+            if dd is None and len(processes_of(dst)) > 1:
                 raise ValueError(
                     f"leaf {where}: an uncommitted key array can be put on devices of "
                     "several processes on a NamedSharding or SingleDeviceSharding only "
                     f"(got {type(dst).__name__}; jax.device_put refuses it across "
                     "processes too)"
                 )
+            # (Without ``dd``: put by jax.device_put, on devices of one process.)
             return LeafInfo(path, HOST, shape, dtype, None, dst, None, dd)
         if isinstance(src, NamedSharding) and _compat.unreduced_axes(src):
             _check_concrete(where, "source", src)

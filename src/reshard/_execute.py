@@ -585,11 +585,11 @@ def put_host_values(
     arrays on shardings other than named ones, and across processes uncommitted
     arrays) onto their destination shardings.
 
-    Across processes, a key array moved between devices of another process alone
-    comes out here as it does for the planned leaves: an array with no shard here
-    (``jax.device_put`` refuses a sharding of no device of this process). Values other
-    than committed arrays are put from this process's
-    copy of them where their destination is not on this process's devices alone, with
+    Across processes, a key array put by ``jax.device_put`` on devices of another
+    process alone comes out here as the planned leaves do: an array with no shard
+    here (``jax.device_put`` refuses a sharding of no device of this process). Values
+    other than committed arrays are put from this process's copy of them where their
+    destination is not on this process's devices alone, with
     the type, weak type and abstract value ``jax.device_put`` gives them. There
     ``jax.device_put`` refuses uncommitted key arrays, and fails on some processes for
     an uncommitted array put on devices of some processes (jax 0.10: "must have one
@@ -606,8 +606,8 @@ def put_host_values(
         processes.
     """
     shardings = [leaf.dst_sharding for leaf in leaves]
-    ours = _put_from_host(values, shardings)
-    elsewhere = _held_elsewhere(values, shardings)
+    elsewhere = _held_elsewhere(leaves, values)
+    ours = [i for i in _put_from_host(values, shardings) if i not in elsewhere]
     if not ours and not elsewhere:
         return list(jax.device_put(list(values), shardings, may_alias=may_alias))
     out: list[Any] = [None] * len(values)
@@ -645,16 +645,20 @@ def put_host_values(
     return out
 
 
-def _held_elsewhere(values: Sequence[Any], shardings: Sequence[Sharding]) -> list[int]:
-    """Which of ``values`` are committed arrays (key arrays on shardings neither named
-    nor single-device) moved between devices of another process alone."""
+def _held_elsewhere(leaves: Sequence[LeafInfo], values: Sequence[Any]) -> list[int]:
+    """Which of ``values`` are key arrays put by ``jax.device_put`` (on a sharding
+    neither named nor single-device, which the API layer lets move within one process
+    only) on devices of another process alone."""
     if jax.process_count() == 1:
         return []
     me = jax.process_index()
     return [
         i
-        for i, (v, s) in enumerate(zip(values, shardings, strict=True))
-        if isinstance(v, jax.Array) and v.committed and me not in processes_of(v.sharding, s)
+        for i, (leaf, v) in enumerate(zip(leaves, values, strict=True))
+        if leaf.data_dst_sharding is None
+        and isinstance(v, jax.Array)
+        and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+        and me not in processes_of(leaf.dst_sharding)
     ]
 
 
