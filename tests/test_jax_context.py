@@ -127,6 +127,22 @@ def test_reshard_moves_are_explicit_transfers(
     assert "transfer" not in err, err
 
 
+def test_disallow_explicit_can_refuse_a_reshard_where_device_put_moves_nothing() -> None:
+    # A reshard's moves are explicit transfers: under "disallow_explicit" the host
+    # executor's are refused, also where jax.device_put needs none (an unchanged
+    # sharding: it hands the input back; a new device order alone: it runs a program,
+    # which the guard does not count). Refused before any output exists: x intact.
+    truth = _special_values(np.float32)
+    x = place(truth, NamedSharding(WORLD, P("data")))
+    reordered = Mesh(np.array(DEVICES[::-1]).reshape(2, 4), ("data", "model"))
+    for dst in (x.sharding, NamedSharding(reordered, P("data"))):
+        with jax.transfer_guard("disallow_explicit"):
+            check_result(jax.device_put(x, dst), truth, dst)
+            with pytest.raises(Exception, match="Disallowed"):
+                reshard.reshard(x, dst, executor="host")
+        check_result(x, truth, x.sharding)
+
+
 @pytest.mark.parametrize("who", ["reshard", "plan"])
 def test_tracers_are_refused_with_the_leaf_and_what_to_do(who: str) -> None:
     src = NamedSharding(WORLD, P("data"))
