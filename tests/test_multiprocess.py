@@ -910,6 +910,30 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         _collective_common._calls_started = ((_collective_common._calls_started >> 20) + 1) << 20
         check(plan.execute(x2), b, dst)
 
+    def failed_calls_leave_no_keys_behind() -> None:
+        # A failed call posts why in jax.distributed's key-value store (here every
+        # process refuses it: DataLossError). Where the successful calls run a cached
+        # plan (no first-run check, which deleted them), the keys stayed for the life of
+        # the job: one per process per failed call. Each process now deletes its own
+        # once every process has gone on (a collective call of them all).
+        src, dst = ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t"))
+        x = make(a, src)
+        client = _compat.distributed_client()
+        # (Earlier scenarios set the count of calls far ahead and back: their keys stay.)
+        before = {k for k, _ in client.key_value_dir_get("reshard/")}
+        check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
+        failures = 6
+        for _ in range(failures):
+            try:
+                reshard.reshard(x, dst, avoid_devices=devs[:half])
+                raise AssertionError("avoiding every source device lost no data")
+            except reshard.DataLossError:
+                pass
+            check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
+        keys = {k for k, _ in client.key_value_dir_get("reshard/")} - before
+        # (The peers may not have deleted theirs of the last failure yet.)
+        assert len(keys) <= jax.process_count(), sorted(keys)
+
     def a_call_refused_on_one_process_fails_every_process_at_once() -> None:
         # Process 1 alone refuses a call (bad input there) that the others make too,
         # the first run of a plan, so they wait in its check: while planning, in
@@ -1471,6 +1495,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             different_arguments_raise_on_every_process,
             a_call_failing_on_one_process_is_not_paired_with_its_next,
             a_call_refused_on_one_process_fails_every_process_at_once,
+            failed_calls_leave_no_keys_behind,
             calls_in_another_order_raise_on_every_process,
             sixty_four_bit_types_with_x64_on,
             host_values_put_on_every_process,
@@ -1922,6 +1947,7 @@ SCENARIOS = [
     "different_arguments_raise_on_every_process",
     "a_call_failing_on_one_process_is_not_paired_with_its_next",
     "a_call_refused_on_one_process_fails_every_process_at_once",
+    "failed_calls_leave_no_keys_behind",
     "calls_in_another_order_raise_on_every_process",
     "sixty_four_bit_types_with_x64_on",
     "host_values_put_on_every_process",

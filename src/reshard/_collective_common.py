@@ -443,6 +443,40 @@ _FAILURE_KEY = "reshard/failure/{call}/{process}"
 _REASON_CHARS = 2000
 
 
+# The keys this process posted in the store, with the call each was posted in, oldest
+# first: deleted once no process can read them any more (``forget_earlier_posts``).
+_posts: list[tuple[int, str]] = []
+
+
+def post(client: Any, key: str, value: str) -> None:
+    """Sets ``key`` to ``value`` in jax.distributed's key-value store, recorded as
+    posted by this process in its current call, for ``forget_earlier_posts``."""
+    client.key_value_set(key, value, allow_overwrite=True)
+    _posts.append((_calls_started, key))
+
+
+def posted_in_this_call(key: str) -> bool:
+    """Whether this process posted ``key`` in its current call."""
+    return (_calls_started, key) in _posts[-2:]
+
+
+def forget_earlier_posts() -> None:
+    """Deletes what this process posted in its earlier calls. Call it only where every
+    process is known to have reached the current call (so to have left every earlier
+    one, where such posts are read): else each failed call would leave its keys in the
+    store for the life of the job. Best effort: never raises."""
+    old = [key for call, key in _posts if call < _calls_started]
+    if not old:
+        return
+    _posts[:] = [(call, key) for call, key in _posts if call >= _calls_started]
+    with contextlib.suppress(Exception):
+        client = _compat.distributed_client()
+        if client is not None:
+            for key in old:
+                with contextlib.suppress(Exception):
+                    client.key_value_delete(key)
+
+
 def post_failure(error: BaseException) -> None:
     """Posts ``error`` as why this process failed its part of the current collective
     reshard, for its peers' errors (``peers_failed``): an error that names a failed
@@ -457,8 +491,9 @@ def post_failure(error: BaseException) -> None:
             if len(what) > _REASON_CHARS:  # its start and its end
                 cut = _REASON_CHARS // 4
                 what = f"{what[: _REASON_CHARS - cut]} ... {what[-cut:]}"
-            key = _FAILURE_KEY.format(call=_calls_started, process=jax.process_index())
-            client.key_value_set(key, what, allow_overwrite=True)
+            post(
+                client, _FAILURE_KEY.format(call=_calls_started, process=jax.process_index()), what
+            )
 
 
 def _failure_reasons(failed: Sequence[int]) -> dict[int, str]:

@@ -44,9 +44,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from . import _collective_common, _compat, _exact, _programs
 from . import _collective_device as device_packed
 from . import _collective_host as host_packed
-from . import _compat, _exact, _programs
 from ._collective_common import (
     AXIS,
     Copy,
@@ -553,9 +553,6 @@ def fingerprint(what: Any) -> bytes:
 
 
 _AGREE_KEY = "reshard/agree"
-# The calls (``_collective_common.calls_started``) this process posted a check or a
-# refusal for and has not deleted yet, oldest first.
-_posted: list[int] = []
 _REFUSED = "!"  # marks a refusal posted where the check would be (digests are hex)
 # How long a check waits for its peers, as XLA's CPU collectives wait for theirs (the
 # all-gather the check once was gave up after 30 minutes).
@@ -575,11 +572,9 @@ def _post(client: Any, value: str) -> None:
     count of calls started, the same on every process for the same call. Keyed by call,
     not by check, so a refusal (a call that never reaches its check) pairs with the
     others' check of that very call. Every process's previous post is no longer read
-    once this one is made; this process's own are deleted when its next check succeeds
-    (see ``_exchange``)."""
-    call = calls_started()
-    client.key_value_set(_key(call, jax.process_index()), value, allow_overwrite=True)
-    _posted.append(call)
+    once this one is made; this process's own are deleted when every process is known
+    to have gone on (``_collective_common.forget_earlier_posts``)."""
+    _collective_common.post(client, _key(calls_started(), jax.process_index()), value)
 
 
 def refuse_call(error: BaseException) -> None:
@@ -596,7 +591,7 @@ def refuse_call(error: BaseException) -> None:
     Never raises: the caller's own error is what matters."""
     if jax.process_count() == 1:
         return
-    if _posted and _posted[-1] == calls_started():
+    if _collective_common.posted_in_this_call(_key(calls_started(), jax.process_index())):
         return
     with contextlib.suppress(Exception):
         client = _compat.distributed_client()
@@ -642,10 +637,7 @@ def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
             everyone[p] = bytes.fromhex(got)
     # Every process has posted for this call, so each has left the calls of this
     # process's earlier posts: those keys are no longer read.
-    while len(_posted) > 1:
-        with contextlib.suppress(Exception):
-            client.key_value_delete(_key(_posted[0], me))
-        del _posted[0]
+    _collective_common.forget_earlier_posts()
     return everyone
 
 
@@ -763,8 +755,14 @@ def run_collective(
                     f"packed on the host, not on the devices (for {', '.join(program.inexact)})"
                 )
         if program.host_packed:
-            return host_packed.run_host_packed(program, sources, shardings, before=before)
-        # With a watchdog, it covers the collectives, not only their dispatch.
-        return device_packed.run_device_packed(
-            program, sources, shardings, wait=limit > 0, before=before
-        )
+            out = host_packed.run_host_packed(program, sources, shardings, before=before)
+        else:
+            # With a watchdog, it covers the collectives, not only their dispatch.
+            out = device_packed.run_device_packed(
+                program, sources, shardings, wait=limit > 0, before=before
+            )
+    if plan.crosses_processes and len(plan.processes) == jax.process_count():
+        # Every process exchanged this call's status: each has left its earlier calls
+        # (a failed one's posts, which a cached plan's calls never check, stay else).
+        _collective_common.forget_earlier_posts()
+    return out
