@@ -534,8 +534,8 @@ def test_a_program_fingerprints_by_marshal_the_same_for_equal_plans(monkeypatch)
 def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
     """The checks' keys in the key-value store name the call; a call that fails before
     its check posts a refusal there (once, and never after its check), which a peer's
-    check of that call raises on, naming the process and its error. A successful check
-    deletes this process's earlier posts. (One process, the store faked; the real one
+    check of that call raises on, naming the process and its error. A successful check,
+    or a later call every process reached, deletes this process's earlier posts. (One process, the store faked; the real one
     is exercised across processes in test_multiprocess.)"""
     from reshard import _collective_common as common
     from reshard import _collective_executor as ce
@@ -560,7 +560,7 @@ def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(jax, "process_index", lambda: 0)
     monkeypatch.setattr(ce._compat, "distributed_client", lambda: store)
-    monkeypatch.setattr(ce, "_posted", [])
+    monkeypatch.setattr(common, "_posts", [])
     monkeypatch.setattr(ce, "AGREE_WAIT_S", 0.5)  # (a wait: a test failure, not a hang)
     monkeypatch.setattr(common, "_calls_started", 5)
 
@@ -590,6 +590,20 @@ def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
     common._calls_started = 9
     ce.refuse_call(ValueError(long))  # a long message is cut
     assert store.kv["reshard/agree/9/0"] == "!" + ("ValueError: " + long)[:2000] + " ..."
+
+    # A later call that every process reached (a cached plan's: no check) deletes this
+    # process's posts of earlier calls, failure reasons too, and nothing of the peers'.
+    common._calls_started = 10
+    common.post_failure(RuntimeError("device 3 lost"))
+    common.forget_earlier_posts()
+    assert sorted(store.kv) == [
+        "reshard/agree/6/1",
+        "reshard/agree/7/1",
+        "reshard/failure/10/0",
+    ], store.kv
+    common._calls_started = 11
+    common.forget_earlier_posts()
+    assert sorted(store.kv) == ["reshard/agree/6/1", "reshard/agree/7/1"], store.kv
 
 
 @pytest.mark.parametrize("kept_on_device", [False, True])
