@@ -1110,6 +1110,45 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         for k in tree:
             check(out[k], a, dsts[k])
 
+    def a_slow_peer_still_reads_why_a_call_failed() -> None:
+        # Process 1 fails mid-move and posts why; every process raises. Process 1 then
+        # makes its next call, a cached plan whose copies all stay within processes (no
+        # stage, no status: nothing exchanged), while process 0 is slow to read the
+        # reason. Deleting earlier posts there (4413046) lost it: process 0's error read
+        # "its own error says why", and an elastic loop would mark no device lost on it.
+        a8 = np.arange(n * 8, dtype=np.float32).reshape(n * 4, 2)
+        x = make(a8, ns(devs, ("x",), P("x")))
+        rotated = [d for p in range(jax.process_count()) for d in np.roll(
+            [d for d in devs if d.process_index == p], -1)]  # fmt: skip
+        local = ns(rotated, ("x",), P("x"))
+        check(reshard.reshard(x, local, cache_resharding_plans=True), a8, local)
+        real_client, pack = _compat.distributed_client, _collective_host._pack_stage
+        slow = [True] if me == 0 else []
+
+        class SlowReader:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real_client(), name)
+
+            def blocking_key_value_get(self, key: str, ms: int) -> Any:
+                if slow and key.startswith("reshard/failure/"):
+                    slow.clear()
+                    time.sleep(2.0)  # descheduled
+                return real_client().blocking_key_value_get(key, ms)
+
+        def failing(*args: Any) -> Any:
+            raise RuntimeError("UNAVAILABLE: device 3 failed (injected)")
+
+        _compat.distributed_client = lambda: SlowReader()
+        _collective_host._pack_stage = failing if me == 1 else pack
+        try:
+            reshard.reshard(x, ns(devs[::-1], ("x",), P("x")))
+            raise AssertionError("the injected failure did not raise")
+        except RuntimeError as e:
+            assert "device 3 failed (injected)" in str(e), e
+        finally:
+            _compat.distributed_client, _collective_host._pack_stage = real_client, pack
+        check(reshard.reshard(x, local, cache_resharding_plans=True), a8, local)
+
     def a_process_failing_after_the_transfer_fails_alone() -> None:
         # Host-packed. A failure after every stage was called (here: unpacking what
         # arrived) cannot corrupt what the others receive: that process raises, the
@@ -1459,6 +1498,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
 
     host_only = (
         a_process_failing_mid_reshard_fails_every_process,
+        a_slow_peer_still_reads_why_a_call_failed,
         a_process_failing_after_the_transfer_fails_alone,
         within_one_process,  # (whatever the packing: run once per layout)
         a_local_call_in_another_thread_leaves_the_count_alone,
@@ -1960,6 +2000,7 @@ HOST_SCENARIOS = [
     "a_local_call_in_another_thread_leaves_the_count_alone",
     "local_plans_leave_cached_collective_plans_alone",
     "a_process_failing_mid_reshard_fails_every_process",
+    "a_slow_peer_still_reads_why_a_call_failed",
     "a_process_failing_after_the_transfer_fails_alone",
 ]
 # Failures before the device-packed program: the status exchanged before calling it.

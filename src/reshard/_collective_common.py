@@ -389,6 +389,9 @@ def check_status(status: jax.Array | None, when: str) -> None:
     failed = _failed(entries)
     if failed:
         raise peers_failed(failed, when)
+    if len(calls) == jax.process_count():
+        # Every process reached this call, so each has left its earlier ones.
+        forget_earlier_posts()
 
 
 def _status_rows(status: jax.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -445,30 +448,36 @@ _REASON_CHARS = 2000
 
 # The keys this process posted in the store, with the call each was posted in, oldest
 # first: deleted once no process can read them any more (``forget_earlier_posts``).
+# (Threads of one process may post: a call within one process fails too.)
 _posts: list[tuple[int, str]] = []
+_posts_lock = threading.Lock()
 
 
 def post(client: Any, key: str, value: str) -> None:
     """Sets ``key`` to ``value`` in jax.distributed's key-value store, recorded as
     posted by this process in its current call, for ``forget_earlier_posts``."""
     client.key_value_set(key, value, allow_overwrite=True)
-    _posts.append((_calls_started, key))
+    with _posts_lock:
+        _posts.append((_calls_started, key))
 
 
 def posted_in_this_call(key: str) -> bool:
     """Whether this process posted ``key`` in its current call."""
-    return (_calls_started, key) in _posts[-2:]
+    with _posts_lock:
+        return (_calls_started, key) in _posts
 
 
 def forget_earlier_posts() -> None:
-    """Deletes what this process posted in its earlier calls. Call it only where every
-    process is known to have reached the current call (so to have left every earlier
-    one, where such posts are read): else each failed call would leave its keys in the
-    store for the life of the job. Best effort: never raises."""
-    old = [key for call, key in _posts if call < _calls_started]
-    if not old:
-        return
-    _posts[:] = [(call, key) for call, key in _posts if call >= _calls_started]
+    """Deletes what this process posted in its earlier calls. Called where every
+    process is known to have reached the current call, so to have left every earlier
+    one, where such posts are read: a check all of them posted (``_exchange``), or a
+    status all of them summed (``check_status``). Else each failed call would leave its
+    keys in the store for the life of the job. Best effort: never raises."""
+    with _posts_lock:
+        old = [key for call, key in _posts if call < _calls_started]
+        if not old:
+            return
+        _posts[:] = [(call, key) for call, key in _posts if call >= _calls_started]
     with contextlib.suppress(Exception):
         client = _compat.distributed_client()
         if client is not None:

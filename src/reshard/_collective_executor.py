@@ -755,14 +755,8 @@ def run_collective(
                     f"packed on the host, not on the devices (for {', '.join(program.inexact)})"
                 )
         if program.host_packed:
-            out = host_packed.run_host_packed(program, sources, shardings, before=before)
-        else:
-            # With a watchdog, it covers the collectives, not only their dispatch.
-            out = device_packed.run_device_packed(
-                program, sources, shardings, wait=limit > 0, before=before
-            )
-    if plan.crosses_processes and len(plan.processes) == jax.process_count():
-        # Every process exchanged this call's status: each has left its earlier calls
-        # (a failed one's posts, which a cached plan's calls never check, stay else).
-        _collective_common.forget_earlier_posts()
-    return out
+            return host_packed.run_host_packed(program, sources, shardings, before=before)
+        # With a watchdog, it covers the collectives, not only their dispatch.
+        return device_packed.run_device_packed(
+            program, sources, shardings, wait=limit > 0, before=before
+        )
