@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 
 from . import _collective_common, _compat, _programs, _sharing
 from ._errors import DataLossError
-from ._execute import _whole_copy, device_peak_extra, execute_plan, processes_of, traced_leaf
+from ._execute import _whole_copy, device_peak_extra, execute_plan, traced_leaf
 from ._geometry import box_from_index
 from ._mesh_surgery import (
     _listed,
@@ -30,7 +30,7 @@ from ._mesh_surgery import (
     device_ranges,
     not_a_collection,
 )
-from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan, plan_processes
+from ._plan import ARRAY, HOST, KEY, LeafInfo, Plan, plan_processes, processes_of
 from ._planner import LeafSpec, ShardSpec, plan_leaves
 
 EXECUTORS = ("auto", "host", "device", "collective")

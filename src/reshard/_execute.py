@@ -16,7 +16,7 @@ from jax.sharding import Sharding
 from . import _buffers, _collective_common, _compat, _exact, _programs, _sharing
 from ._geometry import volume
 from ._local_executor import DeviceProgram, LeafJob, run_device, run_host
-from ._plan import ARRAY, HOST, HOST_ROUTE, KEY, LeafInfo, Plan
+from ._plan import ARRAY, HOST, HOST_ROUTE, KEY, LeafInfo, Plan, processes_of
 from ._planner import LeafPlan
 
 
@@ -708,12 +708,6 @@ def _host_form(v: Any) -> tuple[np.ndarray, bool, Any]:
         return np.asarray(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype)), False, None
     x = jax.device_put(v)  # a Python scalar: JAX's own weak typing
     return np.asarray(x), bool(x.weak_type), None
-
-
-def processes_of(*shardings: Sharding) -> set[int]:
-    """The processes whose devices ``shardings`` use."""
-    devices: set[Any] = {d for s in shardings for d in s.device_set}
-    return {d.process_index for d in devices}
 
 
 def _put_from_host(values: Sequence[Any], shardings: Sequence[Sharding]) -> list[int]:

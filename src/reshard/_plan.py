@@ -44,17 +44,18 @@ class LeafInfo:
     data_dst_sharding: Sharding | None = None
 
 
+def processes_of(*shardings: Sharding) -> set[int]:
+    """The JAX processes whose devices ``shardings`` use."""
+    devices: set[Any] = {d for s in shardings for d in s.device_set}
+    return {d.process_index for d in devices}
+
+
 def plan_processes(leaves: Sequence[LeafInfo]) -> frozenset[int]:
     """The JAX processes holding a source or destination device of any leaf, read from
     the live devices (a pickled plan's devices are this runtime's once loaded)."""
-    found: set[int] = set()
     # Each distinct sharding object once (a tree's leaves share a few).
     shardings = {id(s): s for leaf in leaves for s in (leaf.src_sharding, leaf.dst_sharding)}
-    for sharding in shardings.values():
-        if sharding is not None:
-            devices: Any = sharding.device_set
-            found |= {d.process_index for d in devices}
-    return frozenset(found)
+    return frozenset(processes_of(*(s for s in shardings.values() if s is not None)))
 
 
 def human_bytes(n: float) -> str:
