@@ -50,6 +50,23 @@ MISMATCHES: list[str] = []  # failed checks of the running scenario (in a child)
 # --- runs inside every launched process ------------------------------------------
 
 
+class _SlowFailureReader:
+    """jax.distributed's client, but descheduled for 2 s before its first read of a
+    failure reason where ``slow`` (then emptied)."""
+
+    def __init__(self, client: Callable[[], Any], slow: list[bool]) -> None:
+        self.client, self.slow = client, slow
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client(), name)
+
+    def blocking_key_value_get(self, key: str, ms: int) -> Any:
+        if self.slow and key.startswith("reshard/failure/"):
+            self.slow.clear()
+            time.sleep(2.0)
+        return self.client().blocking_key_value_get(key, ms)
+
+
 class _FailAfter:
     """Stands in for ``block_inputs``: the first ``calls`` calls pass through, then
     every call fails as if out of device memory."""
@@ -1125,20 +1142,10 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         real_client, pack = _compat.distributed_client, _collective_host._pack_stage
         slow = [True] if me == 0 else []
 
-        class SlowReader:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real_client(), name)
-
-            def blocking_key_value_get(self, key: str, ms: int) -> Any:
-                if slow and key.startswith("reshard/failure/"):
-                    slow.clear()
-                    time.sleep(2.0)  # descheduled
-                return real_client().blocking_key_value_get(key, ms)
-
         def failing(*args: Any) -> Any:
             raise RuntimeError("UNAVAILABLE: device 3 failed (injected)")
 
-        _compat.distributed_client = lambda: SlowReader()
+        _compat.distributed_client = lambda: _SlowFailureReader(real_client, slow)
         _collective_host._pack_stage = failing if me == 1 else pack
         try:
             reshard.reshard(x, ns(devs[::-1], ("x",), P("x")))
@@ -1148,6 +1155,47 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         finally:
             _compat.distributed_client, _collective_host._pack_stage = real_client, pack
         check(reshard.reshard(x, local, cache_resharding_plans=True), a8, local)
+
+    def a_failure_within_one_process_keeps_the_last_reason() -> None:
+        # Device-packed (host-packed, a call within one process has no failure to
+        # post). Process 1 fails while preparing its inputs and posts why; every
+        # process raises. Process 1 then makes a collective call within its own devices
+        # that fails too, while process 0 is slow to read the first reason. That call
+        # is not counted (no peer makes it), so its reason, posted, took the first
+        # call's key: process 0's error named the second failure, and process 0 left
+        # the scenario early. A call within one process posts nothing now.
+        a8 = np.arange(n * 8, dtype=np.float32).reshape(n * 4, 2)
+        x = make(a8, ns(devs, ("x",), P("x")))
+        mine = [d for d in devs if d.process_index == 1]
+        on_1 = make(a8, ns(mine, ("x",), P("x")))
+        mine_rotated = ns(np.roll(mine, -1), ("x",), P("x"))
+        real_client, build = _compat.distributed_client, _collective_device.block_inputs
+
+        def failing(*args: Any) -> Any:
+            raise RuntimeError(f"{'a failure within' if failed else 'device 3 failed'} (injected)")
+
+        failed, slow = [], [True] if me == 0 else []
+        _compat.distributed_client = lambda: _SlowFailureReader(real_client, slow)
+        _collective_device.block_inputs = failing if me == 1 else build
+        try:
+            reshard.reshard(x, ns(devs[::-1], ("x",), P("x")))
+            raise AssertionError("the injected failure did not raise")
+        except RuntimeError as e:
+            assert "device 3 failed (injected)" in str(e), e
+            assert "a failure within" not in str(e), e
+        failed.append(True)
+        try:  # within process 1 (the others have no part in it)
+            y = reshard.reshard(on_1, mine_rotated, executor="collective")
+            if me == 1:
+                raise AssertionError("the failure within process 1 did not raise")
+            check(y, a8, mine_rotated)
+        except RuntimeError as e:
+            assert me == 1 and "a failure within (injected)" in str(e), e
+        finally:
+            _compat.distributed_client, _collective_device.block_inputs = real_client, build
+        check(
+            reshard.reshard(x, ns(devs[::-1], ("x",), P("x"))), a8, ns(devs[::-1], ("x",), P("x"))
+        )
 
     def a_process_failing_after_the_transfer_fails_alone() -> None:
         # Host-packed. A failure after every stage was called (here: unpacking what
@@ -1507,6 +1555,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
     device_only = (
         a_process_failing_before_the_program_fails_every_process,
         device_packed_in_groups,
+        a_failure_within_one_process_keeps_the_last_reason,
     )
     return {
         f.__name__: f
@@ -2007,6 +2056,7 @@ HOST_SCENARIOS = [
 DEVICE_SCENARIOS = [
     "a_process_failing_before_the_program_fails_every_process",
     "device_packed_in_groups",
+    "a_failure_within_one_process_keeps_the_last_reason",
 ]
 
 

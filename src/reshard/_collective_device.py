@@ -405,7 +405,7 @@ def run_device_packed(
     outputs: list[dict[int, jax.Array]] = [{} for _ in sources]
     # A process that holds no device of the union has nothing to send or keep.
     groups = program.groups if program.local_devices else []
-    exchanged = jax.process_count() > 1 and bool(groups)
+    exchanged = program.crosses_processes and bool(groups)
     if before is not None and not exchanged:
         before()
     for gi, group in enumerate(groups):

@@ -190,6 +190,9 @@ class CollectiveProgram:
         self.block_sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
         me = jax.process_index()
         self.local_devices = [d for d in self.devices if d.process_index == me]
+        # Whether the union mesh spans processes: only then do they exchange statuses
+        # and post failures (a call within one process is not counted, ``count_call``).
+        self.crosses_processes = len({d.process_index for d in self.devices}) > 1
         self.leaf_plans = list(leaf_plans)
         self.dtypes = [np.dtype(d) for d in dtypes]
         alias = tuple(alias)
