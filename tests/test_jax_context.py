@@ -138,9 +138,47 @@ def test_disallow_explicit_can_refuse_a_reshard_where_device_put_moves_nothing()
     for dst in (x.sharding, NamedSharding(reordered, P("data"))):
         with jax.transfer_guard("disallow_explicit"):
             check_result(jax.device_put(x, dst), truth, dst)
-            with pytest.raises(Exception, match="Disallowed"):
+            with pytest.raises(Exception, match="Disallowed") as refused:
                 reshard.reshard(x, dst, executor="host")
+        assert "the host executor's moves are explicit transfers" in str(refused.value.__notes__)
         check_result(x, truth, x.sharding)
+
+
+@pytest.mark.parametrize("executor", ["device", "collective"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_guard_refusing_transfers_says_why_they_are_made(
+    executor: str, donate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a TPU v5e, programs do not keep every bit of bfloat16, so the device executor
+    # cuts and assembles it through host memory (as the collective executor packs it),
+    # which "disallow_explicit" refuses where Pathways moves it device to device (as in
+    # MaxText's weight sync). Faked here: bfloat16 marked inexact. The error says why,
+    # and how to let it; the input is intact, donated or not; "allow" moves it.
+    from reshard import _exact
+
+    d = DEVICES[0]
+    for only_copies in (False, True):
+        key = (d.platform, str(d.device_kind), "bfloat16", only_copies)
+        monkeypatch.setitem(_exact._known, key, only_copies)
+    truth = _special_values(jnp.bfloat16)
+    src, dst = NamedSharding(HALF, P("data")), NamedSharding(WORLD, P(None, "model"))
+    x = place(truth, src)
+    with (
+        jax.transfer_guard_device_to_host("disallow_explicit"),
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+        pytest.raises(Exception, match="Disallowed") as refused,
+    ):
+        reshard.reshard(x, dst, executor=executor, donate=donate, cache_resharding_plans=False)
+    why = {
+        "device": "arrays of bfloat16 are cut and assembled through host memory",
+        "collective": "the collective executor, where it packs on the host",
+    }[executor]
+    assert why in str(refused.value.__notes__), refused.value.__notes__
+    assert "the inputs are intact" in str(refused.value.__notes__)
+    check_result(x, truth, src)
+    with jax.transfer_guard("allow"):
+        check_result(reshard.reshard(x, dst, executor=executor, donate=donate), truth, dst)
+    assert x.is_deleted() == donate
 
 
 @pytest.mark.parametrize("who", ["reshard", "plan"])

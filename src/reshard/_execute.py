@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from typing import Any, cast
 
 import jax
@@ -292,7 +293,10 @@ def execute_plan(
             if not rest:
                 built: list[Any] = []
             elif plan.executor == "host":
-                built = run_host([jobs[j] for j in rest], *args, alias=rest_alias)
+                with _explained_guard(
+                    "the host executor's moves are explicit transfers, as jax.device_put's are"
+                ):
+                    built = run_host([jobs[j] for j in rest], *args, alias=rest_alias)
             else:
                 # Arrays of a type that programs on this platform do not carry exactly
                 # (``_exact``) are moved through host memory instead, as the host
@@ -325,7 +329,16 @@ def execute_plan(
                     )
                     part_alias = [rest_alias[k] for k in ks]
                     if runner == "host":
-                        part = run_host([jobs[rest[k]] for k in ks], *part_args, alias=part_alias)
+                        types = sorted({jobs[rest[k]].dtype.name for k in ks})
+                        with _explained_guard(
+                            f"on this platform, arrays of {', '.join(types)} are cut and "
+                            "assembled through host memory with explicit transfers "
+                            "(jax.device_get, then jax.device_put), since its compiled "
+                            "programs do not keep every bit of them (docs/accelerators.md)"
+                        ):
+                            part = run_host(
+                                [jobs[rest[k]] for k in ks], *part_args, alias=part_alias
+                            )
                     else:
                         key = f"device_program(private={_compat.USE_PRIVATE})"  # as its arrays
                         program = plan._cache.get(key)
@@ -361,17 +374,22 @@ def execute_plan(
                     moved[j] = arr
 
             if rest:
-                got = run_collective(
-                    plan,
-                    [sources[j] for j in rest],
-                    [dst_shardings[j] for j in rest],
-                    donate=donate,
-                    alias=[alias[j] for j in rest],
-                    only=None if not local_j else rest,
-                    # (The arrays copied here are part of what the processes compare.)
-                    also=described,
-                    before=copy_in_place if in_place else None,
-                )
+                with _explained_guard(
+                    "the collective executor, where it packs on the host (on CPU, or for "
+                    "types the platform's programs do not carry exactly), reads and places "
+                    "shards with explicit transfers, as jax.device_put does"
+                ):
+                    got = run_collective(
+                        plan,
+                        [sources[j] for j in rest],
+                        [dst_shardings[j] for j in rest],
+                        donate=donate,
+                        alias=[alias[j] for j in rest],
+                        only=None if not local_j else rest,
+                        # (The arrays copied here are part of what the processes compare.)
+                        also=described,
+                        before=copy_in_place if in_place else None,
+                    )
                 for j, arr in zip(rest, got, strict=True):
                     moved[j] = arr
             else:
@@ -484,6 +502,22 @@ def execute_plan(
             _note_handed_over(planned, plan, alias, values, out)
 
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@contextlib.contextmanager
+def _explained_guard(why: str) -> Iterator[None]:
+    """Adds to an error of ``jax.transfer_guard`` refusing one of the executor's
+    transfers why the reshard makes it (``why``), and how to let it."""
+    try:
+        yield
+    except Exception as e:
+        if "Disallowed" in str(e) and "transfer" in str(e):
+            e.add_note(
+                f"reshard: a transfer guard refused one of this reshard's transfers: {why}. "
+                "The call made no results and the inputs are intact; to let it, call it "
+                "under jax.transfer_guard('allow') (or 'log_explicit')"
+            )
+        raise
 
 
 def _note_handed_over(
