@@ -102,6 +102,20 @@ def test_none_gives_one_part_per_position():
         assert_array(part, value[4 * k : 4 * k + 4], NamedSharding(sub, P("stage", "fsdp")))
 
 
+def test_the_pathways_module_call_shape_works():
+    # Pathways users import the helpers' modules and call the function inside
+    # (``from pathwaysutils.experimental import split_by_mesh_axis`` then
+    # ``split_by_mesh_axis.split_by_mesh_axis(...)``); with reshard's import instead,
+    # the same lines run.
+    mesh = make_mesh((2, 4), ("stage", "fsdp"))
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    x = put(value, mesh, P("stage", "fsdp"))
+    parts = split_by_mesh_axis.split_by_mesh_axis(x, "stage")
+    assert reshard.split_by_mesh_axis.split_by_mesh_axis is split_by_mesh_axis
+    joined = concatenate_by_mesh_axis.concatenate_by_mesh_axis(parts, "stage")
+    assert_array(joined, value, NamedSharding(mesh, P("stage", "fsdp")))
+
+
 def test_int_gives_equal_parts():
     mesh = make_mesh((8,), ("x",))
     value = np.arange(16, dtype=np.int32)

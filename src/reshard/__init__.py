@@ -47,6 +47,12 @@ from ._mesh_surgery import carry_shardings as carry_shardings
 from ._mesh_surgery import grow_mesh as grow_mesh
 from ._mesh_surgery import shrink_mesh as shrink_mesh
 
+# Pathways has these two helpers as modules of the same name, and its users call
+# ``split_by_mesh_axis.split_by_mesh_axis(...)`` (after ``from pathwaysutils.experimental
+# import split_by_mesh_axis``, as tunix does): the same call works here.
+split_by_mesh_axis.split_by_mesh_axis = split_by_mesh_axis  # type: ignore[attr-defined]
+concatenate_by_mesh_axis.concatenate_by_mesh_axis = concatenate_by_mesh_axis  # type: ignore[attr-defined]
+
 # Newer Pathways releases add variants over their side-channel transport; here every
 # move uses JAX's own transports, so they are the same calls.
 sidechannel_reshard = reshard
