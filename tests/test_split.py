@@ -1163,6 +1163,30 @@ def test_an_unreachable_input_not_yet_collected_does_not_hold_a_part_back():
     assert_bits(host(out), value[:2])
 
 
+def test_parts_of_an_unreachable_input_not_yet_collected_are_joined_and_consumed():
+    # As above, for concatenate_by_mesh_axis: one donating call per part's device set,
+    # and the garbage collected once for all of them, before any is prepared.
+    import gc
+
+    class Box:
+        def __init__(self, x):
+            self.x, self.me = x, self
+
+    mesh, value, x = _rows_and_columns()
+    parts = split_by_mesh_axis(x, "stage")
+    assert len(parts) > 1
+    Box(x)
+    del x
+    gc.disable()
+    try:
+        out = concatenate_by_mesh_axis(parts, "stage")
+    finally:
+        gc.enable()
+    assert all(p.is_deleted() for p in parts)
+    assert_bits(host(out), value)
+    assert out.sharding.mesh.devices.tolist() == mesh.devices.tolist()
+
+
 def test_a_hand_made_handle_beside_a_kept_array_stays_too():
     # x stays (its parts live); h, made by hand on x's buffers (not in the record),
     # must stay as well: consuming it would free x's buffers. Before: split deleted x,
