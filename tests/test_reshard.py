@@ -876,6 +876,16 @@ def test_reduced_specs_move_as_replicas_and_unreduced_ones_are_refused(executor)
     with pytest.raises(ValueError, match=r"a key array cannot take the destination spec"):
         reshard.reshard(keys, NamedSharding(mesh, P("a", None, reduced={"b"})), donate=True)
     assert not keys.is_deleted()
+    # A key array made on such a spec from its data: JAX cannot read its sharding,
+    # nor move it; the error names the leaf and the way round.
+    data = place(
+        np.asarray(jax.random.key_data(keys)),
+        NamedSharding(mesh, P("a", None, None, reduced={"b"})),
+    )
+    made = {"rng": jax.random.wrap_key_data(data)}
+    with pytest.raises(ValueError, match=r"leaf \['rng'\]: JAX cannot read this key array's"):
+        reshard.reshard(made, {"rng": plain}, executor=executor, donate=True)
+    assert not data.is_deleted()
     carried = reshard.carry_shardings({"x": reduced}, mesh)["x"]
     assert carried == reduced
 
