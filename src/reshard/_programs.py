@@ -8,7 +8,10 @@ jitted function called with one set of input avals); least recently used out. A
 dropped entry frees its executable with it. An entry costs host memory: ~0.3-1.3 MB
 for small programs, ~1.65 MB on average for the device executor's programs of a
 50-array tree on CPU (measured as a loop of changing shapes filled the cache: 1024
-entries took ~1.7 GB, so the bound is 256, ~0.4 GB at most). The device executor
+entries took ~1.7 GB, so the bound is 256, ~0.4 GB for such programs). But a program
+grows with the pieces it cuts or builds: the 8 programs of the device executor's
+relayout of 200 arrays of 2 KiB over 8 CPU devices (800 pieces per program) held ~220
+MiB (session 48), so the bound is one of count, not of memory. The device executor
 takes two entries per device per plan (its cut and build programs), so 256 entries
 hold the programs of 16 plans over 8 devices; a plan in the plan cache also holds
 its own, and never compiles them again.
