@@ -3,6 +3,8 @@ cached plans do not recompile."""
 
 from __future__ import annotations
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -249,34 +251,50 @@ def _input(kind, src):
     if kind == "int4":  # (on CPU its buffers' layout reads as unpacked, jax 0.10)
         truth = (np.arange(32) % 7).astype(jnp.int4).reshape(8, 4)
         return place(truth, src), truth
+    if kind == "bfloat16":
+        truth = np.arange(32.0).astype(jnp.bfloat16).reshape(8, 4)
+        return place(truth, src), truth
     truth = np.arange(32.0, dtype=np.float32).reshape(8, 4)
     return place(truth, src), truth
 
 
 @pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
-@pytest.mark.parametrize("kind", ["float", "weak", "key", "pinned_host", "int4"])
+@pytest.mark.parametrize("kind", ["float", "weak", "key", "pinned_host", "int4", "bfloat16"])
+@pytest.mark.parametrize("made_by", ["xla", "reshard"])
 def test_donating_an_array_that_partly_stays_consumes_it(
-    handover_all, monkeypatch, executor, pack_on_host, kind
+    handover_all, monkeypatch, executor, pack_on_host, kind, made_by
 ):
     # Devices 0-3 keep their shards, 4-7 trade places. The output holds the kept
     # buffers unchanged and the input reads as deleted, as jax.device_put's does. It
     # used to read as valid with its other buffers freed: using it crashed the process.
+    # An input a CPU executor made (an earlier reshard's output: host memory on lease
+    # from the pool) hands its kept shards over too, as views of the same memory.
     if pack_on_host is not None:
         monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
     memory_kind = "pinned_host" if kind == "pinned_host" else None
     src = sharding(range(8), memory_kind=memory_kind)
     dst = sharding(TRADED, memory_kind=memory_kind)
     x, truth = _input(kind, src)
+    if made_by == "reshard":
+        x = reshard.reshard(x, src, executor="host")  # a copy, on lease
+        on_lease = _buffers.lease_test()(pointers(_key_data(x)).values())
+        assert on_lease == (kind != "int4")  # (PjRt copies int4 from host memory)
     before = pointers(_key_data(x))
     y = reshard.reshard(x, dst, donate=True, executor=executor)
     assert x.is_deleted()
     with pytest.raises(RuntimeError, match="deleted"):
         jax.jit(lambda v: v)(x)
     kept = {d: p for d, p in pointers(_key_data(y)).items() if d.id in STAYS}
-    if kind == "pinned_host":  # copied: no donating program runs on host memory
+    if kind == "pinned_host":  # copied: kept shards in a host memory kind always are
         assert not set(kept.values()) & set(before.values())
     else:
         assert kept == {d: p for d, p in before.items() if d.id in STAYS}  # handed over
+    del x
+    gc.collect()
+    for _ in range(2):  # memory the pool lends out again meanwhile is not y's
+        junk = reshard.reshard(_input(kind, src)[0], dst, executor="host")
+        del junk
+        gc.collect()
     expect = jax.device_put(_input(kind, src)[0], dst)
     assert y.sharding == dst and y.committed and y.aval == expect.aval
     if kind != "key":
@@ -421,16 +439,40 @@ def _executor_outputs():
 def test_donating_the_executors_outputs_on_two_device_sets(handover_all, monkeypatch):
     # A donating identity copies the buffers XLA does not own (the CPU executors'
     # outputs): run on the second device set after the first set's inputs were
-    # consumed, that copy running out of memory lost the first set's inputs. Such
-    # buffers are copied before anything is donated: no identity runs for them.
+    # consumed, that copy running out of memory lost the first set's inputs. No
+    # identity runs for them: the outputs take the same host memory, on lease from
+    # the pool, with no copy (before session 48 they were copied whole, a second
+    # copy of every donated array kept in place), and keep it from the pool.
     made, truth, rows = _executor_outputs()
+    held = {k: pointers(v) for k, v in made.items()}
     ran: list[int] = []
     real = failing_identity_after(monkeypatch, ran)
+    copied: list[int] = []
+    monkeypatch.setattr(_compat, "fresh_copies", lambda xs: copied.append(len(xs)) or [])
     out = reshard.reshard(made, rows, donate=True)
-    assert ran == []
+    assert ran == [] and copied == []
+    assert {k: pointers(v) for k, v in out.items()} == held
     for k, v in out.items():
         assert made[k].is_deleted()
         check_result(v, truth[k], rows[k])
+    del made
+    gc.collect()
+    # The pool lends none of that memory out again while the outputs live ...
+    for _ in range(3):
+        junk = reshard.reshard(
+            {k: place(v * 0 - 1, rows[k]) for k, v in truth.items()},
+            {k: sharding([7, 6, 5, 4] if k == "a" else [3, 2, 1, 0], P(None, "a")) for k in rows},
+        )
+        del junk
+        gc.collect()
+    for k, v in out.items():
+        check_result(v, truth[k], rows[k])
+    assert all(_buffers.lease_test()(pointers(v).values()) for v in out.values())
+    # ... and takes it back once they go.
+    addresses = [a for v in out.values() for a in pointers(v).values()]
+    del out, v
+    gc.collect()
+    assert not _buffers.lease_test()(addresses)
     # Arrays XLA made (not from the executors) are still handed over, no copy.
     ours = {k: place(v, rows[k]) for k, v in truth.items()}
     before = {k: pointers(v) for k, v in ours.items()}
@@ -439,17 +481,24 @@ def test_donating_the_executors_outputs_on_two_device_sets(handover_all, monkeyp
     assert {k: pointers(v) for k, v in out.items()} == before
 
 
-def test_a_failed_copy_of_the_executors_outputs_consumes_nothing(handover_all, monkeypatch):
-    made, truth, rows = _executor_outputs()
+def test_a_failed_copy_of_donated_kept_shards_consumes_nothing(handover_all, monkeypatch):
+    # Kept shards that two donated arrays share (an array and an earlier reshard's
+    # output that took its buffers over) are copied before anything is donated: a
+    # failure there consumes nothing.
+    truth = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+    same = sharding(range(4))
+    x = place(truth, same)
+    y = reshard.reshard(x, sharding(range(4), P("a", None)), may_alias=True)
+    assert pointers(y) == pointers(x)
 
     def fail(xs):
         raise MemoryError("out of memory (injected)")
 
     monkeypatch.setattr(_compat, "fresh_copies", fail)
     with pytest.raises(MemoryError, match="injected"):
-        reshard.reshard(made, rows, donate=True)
-    for k, v in made.items():
-        check_result(v, truth[k], rows[k])
+        reshard.reshard({"x": x, "y": y}, {"x": same, "y": sharding(range(4, 8), P())}, donate=True)
+    check_result(x, truth, same)
+    check_result(y, truth, y.sharding)
 
 
 @pytest.mark.parametrize("pack_on_host", [True, False], ids=["host-packed", "device-packed"])

@@ -375,6 +375,30 @@ class HostPool:
         # (The address read at take: b.ctypes.data costs ~2 us a block.)
         return sorted((start, start + b.nbytes) for _, b, start in entries)
 
+    def views_of(self, spans: Sequence[tuple[int, int]]) -> list[np.ndarray | None]:
+        """Per ``(address, nbytes)`` of ``spans``: a uint8 view of those bytes that keeps
+        the lease holding them out (so that memory stays out of the pool while the view
+        lives), or ``None`` where no lease holds them all."""
+        while True:
+            try:  # (as in ``leased``)
+                entries = [(ref(), start) for ref, (_, _, start) in list(self._out.items())]
+                break
+            except RuntimeError:  # pragma: no cover - a race of a few instructions
+                continue
+        leases = sorted(
+            ((np.asarray(lease), lease) for lease, _ in entries if lease is not None),
+            key=lambda t: t[0].ctypes.data,
+        )
+        starts = [whole.ctypes.data for whole, _ in leases]
+        out: list[np.ndarray | None] = []
+        for address, nbytes in spans:
+            i = bisect.bisect_right(starts, address) - 1
+            view = None
+            if i >= 0 and address + nbytes <= starts[i] + leases[i][0].nbytes:
+                view = leases[i][0][address - starts[i] : address - starts[i] + nbytes]
+            out.append(view)
+        return out
+
     def _returned(self, ref: weakref.ref[_Lease]) -> None:
         """Called as a lease goes (its last view with it), in whatever thread, maybe
         in a garbage collection inside this pool's own locked section: never waits."""

@@ -109,9 +109,7 @@ class PlanStats:
         allocates there while the sources are still alive, reused shards excluded:
         those are handed over when donating an array that keeps
         ``HANDOVER_BYTES`` or more in device memory, or with ``may_alias=True``;
-        otherwise ``execute`` copies them on their device (so it does, donating, the
-        kept shards of an array a CPU executor made, whose buffers XLA does not own:
-        see ``_execute._donate``; the plan cannot tell).
+        otherwise ``execute`` copies them on their device.
         For the device executor it also counts the pieces cut out on each sender and
         staged on each receiver before the destination shards are built from them,
         and the copies in device memory of shards read from or built for a host
