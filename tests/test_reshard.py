@@ -883,9 +883,20 @@ def test_reduced_specs_move_as_replicas_and_unreduced_ones_are_refused(executor)
         NamedSharding(mesh, P("a", None, None, reduced={"b"})),
     )
     made = {"rng": jax.random.wrap_key_data(data)}
-    with pytest.raises(ValueError, match=r"leaf \['rng'\]: JAX cannot read this key array's"):
+    unreadable = r"leaf \['rng'\]: JAX cannot read this key array's sharding"
+    with pytest.raises(ValueError, match=unreadable):
         reshard.reshard(made, {"rng": plain}, executor=executor, donate=True)
+    with pytest.raises(ValueError, match=unreadable):  # a plan made for another array
+        reshard.plan({"rng": keys}, {"rng": plain}, executor=executor).execute(made)
+    with pytest.raises(ValueError, match=unreadable):
+        reshard.carry_shardings(made, mesh)
+    with pytest.raises(ValueError, match=r"arrays\['rng'\]: JAX cannot read this key array's"):
+        reshard.split_by_mesh_axis(made, "a")
     assert not data.is_deleted()
+    # The way round the error gives: the key data it was made from, moved and wrapped.
+    moved = jax.random.wrap_key_data(reshard.reshard(data, NamedSharding(mesh, P(None, "b", None))))
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(moved)), np.asarray(data))
+    assert moved.sharding.spec == P(None, "b")
     carried = reshard.carry_shardings({"x": reduced}, mesh)["x"]
     assert carried == reduced
 

@@ -494,17 +494,7 @@ def _leaf_info(path: str, v: Any, dst: Sharding) -> LeafInfo:
                 f"leaf {where} is a deleted jax.Array (was it donated or deleted earlier?); "
                 "pass live arrays"
             )
-        shape, dtype = tuple(v.shape), v.dtype
-        try:
-            src = v.sharding
-        except ValueError as e:  # (the only array JAX cannot tell the sharding of)
-            if not _is_key(dtype):
-                raise
-            raise ValueError(
-                f"leaf {where}: JAX cannot read this key array's sharding (its key "
-                "data's spec has reduced axes), nor can jax.device_put move it; move its "
-                "jax.random.key_data and wrap the result (jax.random.wrap_key_data)"
-            ) from e
+        shape, dtype, src = tuple(v.shape), v.dtype, _compat.sharding_of(v, f"leaf {where}")
         if not v.committed and jax.process_count() > 1:
             # An uncommitted array (``jnp.arange(8)``, a step counter, a key from
             # ``jax.random.key(0)``) lives on each process's own default device: across

@@ -427,6 +427,23 @@ def _layout_is_default(layout: Any, sharding: Sharding, aval: Any) -> bool:
     return order == tuple(range(len(aval.shape))) and not getattr(layout, "tiling", ())
 
 
+def sharding_of(v: Any, what: str) -> Any:
+    """``v.sharding``. JAX cannot read it for a key array made on key data whose spec
+    has reduced axes (jax 0.10: "Using pspec[...] is dangerous"): a ``ValueError``
+    naming ``what`` (the leaf) and the way round instead."""
+    try:
+        return v.sharding
+    except ValueError as e:
+        if not jax.dtypes.issubdtype(getattr(v, "dtype", None), jax.dtypes.prng_key):
+            raise
+        raise ValueError(
+            f"{what}: JAX cannot read this key array's sharding (its key data's spec has "
+            "reduced axes), nor can jax.device_put or jax.random.key_data take it; move "
+            "the key data it was made from (the array given to jax.random.wrap_key_data) "
+            "and wrap the result"
+        ) from e
+
+
 def may_donate(a: jax.Array) -> bool:
     """Whether a program may take ``a`` and donate it (``donating_identity``).
 

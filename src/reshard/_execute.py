@@ -118,19 +118,19 @@ def _check_leaf(leaf: LeafInfo, v: Any) -> bool:
         )
     if not isinstance(v, jax.Array):
         raise ValueError(f"leaf {where}: expected a jax.Array, got {type(v).__name__}")
-    src = leaf.src_sharding
-    other_sharding = v.sharding != src and not _equivalent(v.sharding, src, len(leaf.shape))
+    src, now = leaf.src_sharding, _compat.sharding_of(v, f"leaf {where}")
+    other_sharding = now != src and not _equivalent(now, src, len(leaf.shape))
     if tuple(v.shape) != leaf.shape or v.dtype != leaf.dtype or other_sharding:
         order = ""
         # (a Mesh's text leaves out its devices)
-        if other_sharding and str(src) == str(v.sharding):
+        if other_sharding and str(src) == str(now):
             order = (
                 f"; the two differ in their devices: the plan's are {_device_order(src)}, "
-                f"the array's {_device_order(v.sharding)}"
+                f"the array's {_device_order(now)}"
             )
         raise ValueError(
             f"leaf {where}: the plan was built for {leaf.dtype}{list(leaf.shape)} on "
-            f"{src}, got {v.dtype}{list(v.shape)} on {v.sharding}{order}"
+            f"{src}, got {v.dtype}{list(v.shape)} on {now}{order}"
         )
     return True
 

@@ -475,7 +475,13 @@ def carry_shardings(tree: Any, mesh: Mesh) -> Any:
 
     def carry(path: Any, leaf: Any) -> Sharding:
         where = jax.tree_util.keystr(path) or "<root>"
-        s = leaf if isinstance(leaf, Sharding) else getattr(leaf, "sharding", None)
+        s = (
+            leaf
+            if isinstance(leaf, Sharding)
+            else _compat.sharding_of(leaf, f"leaf {where}")
+            if isinstance(leaf, jax.Array)
+            else getattr(leaf, "sharding", None)
+        )
         if isinstance(s, NamedSharding):
             for entry in _compat.spec_entries(s.spec):
                 for name in _entry_names(entry):

@@ -112,13 +112,14 @@ def _flatten_named(tree: Any, what: str) -> tuple[list[str], list[Leaf], Any]:
                 "NamedSharding. Put it on a mesh first, e.g. with reshard.reshard(x, "
                 "NamedSharding(mesh, spec))."
             )
-        if not isinstance(leaf.sharding, NamedSharding):
+        sharding = _compat.sharding_of(leaf, where)
+        if not isinstance(sharding, NamedSharding):
             raise ValueError(
-                f"{where} has sharding {leaf.sharding!r}; only NamedSharding can be split "
+                f"{where} has sharding {sharding!r}; only NamedSharding can be split "
                 "or concatenated along a mesh axis. Reshard it to a NamedSharding first."
             )
-        ids = getattr(leaf.sharding, "_logical_device_ids", None)
-        if ids is not None and tuple(ids) != tuple(range(leaf.sharding.mesh.size)):
+        ids = getattr(sharding, "_logical_device_ids", None)
+        if ids is not None and tuple(ids) != tuple(range(sharding.mesh.size)):
             # The shards of such a sharding are not laid out by the mesh's device array,
             # so cutting the mesh would hand out the wrong shards (the identity order
             # is the mesh's own).
@@ -127,9 +128,9 @@ def _flatten_named(tree: Any, what: str) -> tuple[list[str], list[Leaf], Any]:
                 "shardings laid out by their mesh can be split or concatenated along a "
                 "mesh axis. Reshard it to NamedSharding(mesh, spec) first."
             )
-        if not isinstance(leaf.sharding.mesh, Mesh):
+        if not isinstance(sharding.mesh, Mesh):
             raise ValueError(
-                f"{where} is on the abstract mesh {leaf.sharding.mesh!r}; splitting and "
+                f"{where} is on the abstract mesh {sharding.mesh!r}; splitting and "
                 "concatenating need a Mesh of devices."
             )
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
