@@ -140,45 +140,61 @@ def test_disallow_explicit_can_refuse_a_reshard_where_device_put_moves_nothing()
             check_result(jax.device_put(x, dst), truth, dst)
             with pytest.raises(Exception, match="Disallowed") as refused:
                 reshard.reshard(x, dst, executor="host")
-        assert "the host executor's moves are explicit transfers" in str(refused.value.__notes__)
+        assert "its moves are explicit transfers" in str(refused.value.__notes__)
         check_result(x, truth, x.sharding)
 
 
-@pytest.mark.parametrize("executor", ["device", "collective"])
+@pytest.mark.parametrize("executor", ["host", "device", "collective"])
 @pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("guard", ["full", "host"])
 def test_a_guard_refusing_transfers_says_why_they_are_made(
-    executor: str, donate: bool, monkeypatch: pytest.MonkeyPatch
+    executor: str, donate: bool, guard: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # On a TPU v5e, programs do not keep every bit of bfloat16, so the device executor
     # cuts and assembles it through host memory (as the collective executor packs it),
     # which "disallow_explicit" refuses where Pathways moves it device to device (as in
-    # MaxText's weight sync). Faked here: bfloat16 marked inexact. The error says why,
-    # and how to let it; the input is intact, donated or not; "allow" moves it.
+    # MaxText's weight sync, which guards device <-> host only). Faked here: bfloat16
+    # marked inexact. The full guard also refuses float32: the device executor copies
+    # pieces between devices (explicit, where jax.device_put runs a program). Either
+    # way the error says why and how to let it; the input is intact, donated or not;
+    # "allow" moves it.
     from reshard import _exact
 
     d = DEVICES[0]
     for only_copies in (False, True):
         key = (d.platform, str(d.device_kind), "bfloat16", only_copies)
         monkeypatch.setitem(_exact._known, key, only_copies)
-    truth = _special_values(jnp.bfloat16)
     src, dst = NamedSharding(HALF, P("data")), NamedSharding(WORLD, P(None, "model"))
-    x = place(truth, src)
-    with (
-        jax.transfer_guard_device_to_host("disallow_explicit"),
-        jax.transfer_guard_host_to_device("disallow_explicit"),
-        pytest.raises(Exception, match="Disallowed") as refused,
-    ):
-        reshard.reshard(x, dst, executor=executor, donate=donate, cache_resharding_plans=False)
-    why = {
-        "device": "arrays of bfloat16 are cut and assembled through host memory",
-        "collective": "the collective executor, where it packs on the host",
-    }[executor]
-    assert why in str(refused.value.__notes__), refused.value.__notes__
-    assert "the inputs are intact" in str(refused.value.__notes__)
-    check_result(x, truth, src)
-    with jax.transfer_guard("allow"):
-        check_result(reshard.reshard(x, dst, executor=executor, donate=donate), truth, dst)
-    assert x.is_deleted() == donate
+    guards = {
+        "full": [jax.transfer_guard],
+        "host": [jax.transfer_guard_device_to_host, jax.transfer_guard_host_to_device],
+    }[guard]
+    for dtype in (jnp.bfloat16, np.float32):
+        truth = _special_values(dtype)
+        x = place(truth, src)
+        through_host = executor != "device" or dtype == jnp.bfloat16  # (on "CPU")
+        with contextlib.ExitStack() as stack:
+            for g in guards:
+                stack.enter_context(g("disallow_explicit"))
+            if guard == "host" and not through_host:  # device to device: allowed
+                y = reshard.reshard(x, dst, executor=executor, cache_resharding_plans=False)
+                check_result(y, truth, dst)
+                continue
+            with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed") as refused:
+                reshard.reshard(
+                    x, dst, executor=executor, donate=donate, cache_resharding_plans=False
+                )
+        notes = str(refused.value.__notes__)
+        assert notes.count("reshard: a transfer guard refused") == 1, notes
+        if executor == "device" and dtype == jnp.bfloat16:
+            assert "arrays of bfloat16 are cut and assembled through host memory" in notes
+        else:
+            assert "its moves are explicit transfers" in notes, notes
+        assert "the inputs are intact" in notes
+        check_result(x, truth, src)
+        with jax.transfer_guard("allow"):
+            check_result(reshard.reshard(x, dst, executor=executor, donate=donate), truth, dst)
+        assert x.is_deleted() == donate
 
 
 @pytest.mark.parametrize("who", ["reshard", "plan"])

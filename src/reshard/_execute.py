@@ -222,6 +222,7 @@ def execute_plan(
         _collective_common.interrupts_held(plan.crosses_processes),
         readers.reading(),
         _compat.wide_types_whole(wide),
+        _explained_guard(),
     ):
         if readers.deletions != deletions:  # some were donated meanwhile: still here?
             _check_not_deleted(plan, values)
@@ -293,10 +294,7 @@ def execute_plan(
             if not rest:
                 built: list[Any] = []
             elif plan.executor == "host":
-                with _explained_guard(
-                    "the host executor's moves are explicit transfers, as jax.device_put's are"
-                ):
-                    built = run_host([jobs[j] for j in rest], *args, alias=rest_alias)
+                built = run_host([jobs[j] for j in rest], *args, alias=rest_alias)
             else:
                 # Arrays of a type that programs on this platform do not carry exactly
                 # (``_exact``) are moved through host memory instead, as the host
@@ -374,22 +372,17 @@ def execute_plan(
                     moved[j] = arr
 
             if rest:
-                with _explained_guard(
-                    "the collective executor, where it packs on the host (on CPU, or for "
-                    "types the platform's programs do not carry exactly), reads and places "
-                    "shards with explicit transfers, as jax.device_put does"
-                ):
-                    got = run_collective(
-                        plan,
-                        [sources[j] for j in rest],
-                        [dst_shardings[j] for j in rest],
-                        donate=donate,
-                        alias=[alias[j] for j in rest],
-                        only=None if not local_j else rest,
-                        # (The arrays copied here are part of what the processes compare.)
-                        also=described,
-                        before=copy_in_place if in_place else None,
-                    )
+                got = run_collective(
+                    plan,
+                    [sources[j] for j in rest],
+                    [dst_shardings[j] for j in rest],
+                    donate=donate,
+                    alias=[alias[j] for j in rest],
+                    only=None if not local_j else rest,
+                    # (The arrays copied here are part of what the processes compare.)
+                    also=described,
+                    before=copy_in_place if in_place else None,
+                )
                 for j, arr in zip(rest, got, strict=True):
                     moved[j] = arr
             else:
@@ -445,7 +438,7 @@ def execute_plan(
 
     # Donation is the very last step: every output exists, so nothing can be lost.
     if donate:
-        with readers.deleting(), _compat.wide_types_whole(wide):
+        with readers.deleting(), _compat.wide_types_whole(wide), _explained_guard():
             if _sharing.version() != shared_version:
                 # Another thread recorded sharing meanwhile (a may_alias=True output
                 # of one of these inputs, say): those inputs now stay too.
@@ -504,14 +497,30 @@ def execute_plan(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+_MOVES_ARE_EXPLICIT = (
+    "its moves are explicit transfers, as jax.device_put's are (where jax.device_put "
+    "runs a program instead, the guard counts none): shards and pieces copied between "
+    "devices or memory kinds, host buffers (the CPU executors', host values) placed on "
+    "devices, and on some accelerators (a TPU v5e: bf16, f16, most fp8) arrays of types "
+    "their programs do not carry exactly, cut and assembled through host memory "
+    "(docs/accelerators.md)"
+)
+
+
 @contextlib.contextmanager
-def _explained_guard(why: str) -> Iterator[None]:
-    """Adds to an error of ``jax.transfer_guard`` refusing one of the executor's
-    transfers why the reshard makes it (``why``), and how to let it."""
+def _explained_guard(why: str = _MOVES_ARE_EXPLICIT) -> Iterator[None]:
+    """Adds to an error of ``jax.transfer_guard`` refusing one of this process's
+    transfers why the reshard makes it (``why``: the innermost such context's), and
+    how to let it."""
     try:
         yield
-    except Exception as e:
-        if "Disallowed" in str(e) and "transfer" in str(e):
+    except jax.errors.JaxRuntimeError as e:
+        if (
+            "Disallowed" in str(e)
+            and "transfer" in str(e)
+            and not getattr(e, "_reshard_guard_explained", False)
+        ):
+            e._reshard_guard_explained = True  # type: ignore[attr-defined]
             e.add_note(
                 f"reshard: a transfer guard refused one of this reshard's transfers: {why}. "
                 "The call made no results and the inputs are intact; to let it, call it "
