@@ -268,7 +268,8 @@ def test_donating_an_array_that_partly_stays_consumes_it(
     # buffers unchanged and the input reads as deleted, as jax.device_put's does. It
     # used to read as valid with its other buffers freed: using it crashed the process.
     # An input a CPU executor made (an earlier reshard's output: host memory on lease
-    # from the pool) hands its kept shards over too, as views of the same memory.
+    # from the pool) copies them: its small shards share one block, which a kept
+    # shard would hold whole (see the next test for shards of their own).
     if pack_on_host is not None:
         monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
     memory_kind = "pinned_host" if kind == "pinned_host" else None
@@ -285,7 +286,8 @@ def test_donating_an_array_that_partly_stays_consumes_it(
     with pytest.raises(RuntimeError, match="deleted"):
         jax.jit(lambda v: v)(x)
     kept = {d: p for d, p in pointers(_key_data(y)).items() if d.id in STAYS}
-    if kind == "pinned_host":  # copied: kept shards in a host memory kind always are
+    # Copied: kept shards in a host memory kind always are, and ours of one block.
+    if kind == "pinned_host" or (made_by == "reshard" and kind != "int4"):
         assert not set(kept.values()) & set(before.values())
     else:
         assert kept == {d: p for d, p in before.items() if d.id in STAYS}  # handed over
@@ -304,6 +306,54 @@ def test_donating_an_array_that_partly_stays_consumes_it(
         assert shard.index == dst.devices_indices_map(truth.shape)[shard.device]
         np.testing.assert_array_equal(np.asarray(shard.data), truth[shard.index])
     np.testing.assert_array_equal(np.asarray(_key_data(jax.jit(lambda v: v)(y))), truth)
+
+
+@pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.bool_, np.complex64])
+def test_donating_an_earlier_reshards_output_hands_over_what_stays(
+    handover_all, monkeypatch, executor, pack_on_host, dtype
+):
+    # Shards of 1 MiB or more that a CPU executor made each have a block of their own,
+    # on lease from the pool: donated, those that stay are handed over as the same
+    # memory (they were copied whole before), and the pool lends none of it out while
+    # the output lives, however much it lends meanwhile.
+    if pack_on_host is not None:
+        monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", pack_on_host)
+    src, dst = sharding(range(8)), sharding(TRADED)
+    rows = (1 << 20) // (256 * np.dtype(dtype).itemsize)  # 1 MiB shards
+    truth = (np.arange(8 * rows * 256) % 251).astype(dtype).reshape(8 * rows, 256)
+    x = reshard.reshard(place(truth, src), src, executor="host")  # a copy, on lease
+    before = pointers(x)
+    assert _buffers.lease_test()(before.values())
+    y = reshard.reshard(x, dst, donate=True, executor=executor)
+    assert x.is_deleted()
+    assert {d: p for d, p in pointers(y).items() if d.id in STAYS} == {
+        d: p for d, p in before.items() if d.id in STAYS
+    }
+    del x
+    for _ in range(3):
+        junk = reshard.reshard(place(truth[::-1].copy(), src), dst, executor="host")
+        del junk
+        gc.collect()
+    check_result(y, truth, dst)
+    held = [p for d, p in pointers(y).items() if d.id in STAYS]
+    assert all(_buffers.lease_test()([p]) for p in held)
+    del y
+    gc.collect()
+    assert not _buffers.lease_test()(held)  # given back once the output went
+
+
+def test_handing_an_earlier_reshards_output_over_is_no_transfer_to_guard(handover_all):
+    # The new handles over the same host memory move no bytes: a guard on transfers
+    # from the host does not refuse them (the device executor moves the rest device
+    # to device, which that guard allows).
+    src, dst = sharding(range(8)), sharding(TRADED)
+    truth = np.arange(8 * 1024 * 256, dtype=np.float32).reshape(8 * 1024, 256)
+    x = reshard.reshard(place(truth, src), src, executor="host")
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        y = reshard.reshard(x, dst, donate=True, executor="device")
+    assert x.is_deleted()
+    check_result(y, truth, dst)
 
 
 @pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)

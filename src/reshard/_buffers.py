@@ -378,26 +378,39 @@ class HostPool:
     def views_of(self, spans: Sequence[tuple[int, int]]) -> list[np.ndarray | None]:
         """Per ``(address, nbytes)`` of ``spans``: a uint8 view of those bytes that keeps
         the lease holding them out (so that memory stays out of the pool while the view
-        lives), or ``None`` where no lease holds them all."""
+        lives), or ``None`` where no lease holds them, or where the spans given do not
+        cover all of theirs: a block carved for several small shards (``carve``) would
+        be kept whole by a view of one of them, the bytes of shards not among ``spans``
+        included."""
         while True:
             try:  # (as in ``leased``)
-                entries = [(ref(), start) for ref, (_, _, start) in list(self._out.items())]
+                entries = [ref() for ref in list(self._out)]
                 break
             except RuntimeError:  # pragma: no cover - a race of a few instructions
                 continue
         leases = sorted(
-            ((np.asarray(lease), lease) for lease, _ in entries if lease is not None),
-            key=lambda t: t[0].ctypes.data,
+            (np.asarray(lease) for lease in entries if lease is not None),
+            key=lambda whole: whole.ctypes.data,
         )
-        starts = [whole.ctypes.data for whole, _ in leases]
-        out: list[np.ndarray | None] = []
+        starts = [whole.ctypes.data for whole in leases]
+        found: list[int | None] = []
+        covered: dict[int, int] = {}
+        seen: set[tuple[int, int]] = set()
         for address, nbytes in spans:
             i = bisect.bisect_right(starts, address) - 1
-            view = None
-            if i >= 0 and address + nbytes <= starts[i] + leases[i][0].nbytes:
-                view = leases[i][0][address - starts[i] : address - starts[i] + nbytes]
-            out.append(view)
-        return out
+            if i < 0 or nbytes <= 0 or address + nbytes > starts[i] + leases[i].nbytes:
+                found.append(None)
+                continue
+            found.append(i)
+            if (address, nbytes) not in seen:
+                seen.add((address, nbytes))
+                covered[i] = covered.get(i, 0) + align_up(nbytes)
+        return [
+            None
+            if i is None or covered[i] < leases[i].nbytes
+            else leases[i][address - starts[i] : address - starts[i] + nbytes]
+            for i, (address, nbytes) in zip(found, spans, strict=True)
+        ]
 
     def _returned(self, ref: weakref.ref[_Lease]) -> None:
         """Called as a lease goes (its last view with it), in whatever thread, maybe

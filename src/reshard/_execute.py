@@ -1003,8 +1003,10 @@ def _new_handles(bufs: Sequence[jax.Array]) -> list[jax.Array]:
     """New single-device arrays with the data of ``bufs``, whose arrays are about to be
     deleted: over the same memory where it is host memory a CPU executor filled and
     still holds on lease (an earlier reshard's output: the new array keeps the lease,
-    nothing is copied or allocated), else copies. A donated output of an earlier
-    reshard kept in place was copied whole."""
+    nothing is copied or allocated), else copies: also where the memory is part of a
+    block carved for several small shards, which the new array would keep whole,
+    shards that moved away included. (A donated output of an earlier reshard kept in
+    place was copied whole.)"""
     spans = [
         (b.unsafe_buffer_pointer(), b.size * np.dtype(b.dtype).itemsize)
         if _compat.platform_of(b) == "cpu" and _whole_bytes(b.dtype)
@@ -1014,12 +1016,13 @@ def _new_handles(bufs: Sequence[jax.Array]) -> list[jax.Array]:
     views = _buffers.POOL.views_of(spans)
     over = [i for i, v in enumerate(views) if v is not None]
     out: list[Any] = list(bufs)
-    if over:
-        placed = jax.device_put(
-            [views[i].view(np.dtype(bufs[i].dtype)).reshape(bufs[i].shape) for i in over],  # type: ignore[union-attr]
-            [bufs[i].sharding for i in over],
-            may_alias=True,
-        )
+    if over:  # (no bytes move: nothing for a transfer guard to refuse)
+        with jax.transfer_guard_host_to_device("allow"):
+            placed = jax.device_put(
+                [views[i].view(np.dtype(bufs[i].dtype)).reshape(bufs[i].shape) for i in over],  # type: ignore[union-attr]
+                [bufs[i].sharding for i in over],
+                may_alias=True,
+            )
         for i, p in zip(over, placed, strict=True):
             out[i] = p
     rest = [i for i, v in enumerate(views) if v is None]
