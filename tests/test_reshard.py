@@ -890,6 +890,10 @@ def test_reduced_specs_move_as_replicas_and_unreduced_ones_are_refused(executor)
         reshard.plan({"rng": keys}, {"rng": plain}, executor=executor).execute(made)
     with pytest.raises(ValueError, match=unreadable):
         reshard.carry_shardings(made, mesh)
+    with pytest.raises(ValueError, match=unreadable):
+        reshard.recover(made, mesh, [7])
+    with pytest.raises(ValueError, match=unreadable):
+        reshard.ElasticManager(mesh, axis="a").apply(made)
     with pytest.raises(ValueError, match=r"arrays\['rng'\]: JAX cannot read this key array's"):
         reshard.split_by_mesh_axis(made, "a")
     assert not data.is_deleted()

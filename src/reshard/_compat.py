@@ -444,6 +444,14 @@ def sharding_of(v: Any, what: str) -> Any:
         ) from e
 
 
+def check_shardings_readable(tree: Any) -> None:
+    """``sharding_of`` for every key array of ``tree``, by its leaf path: for callers
+    that read leaves' shardings where no path is at hand."""
+    for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(v, jax.Array) and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+            sharding_of(v, f"leaf {jax.tree_util.keystr(path) or '<root>'}")
+
+
 def may_donate(a: jax.Array) -> bool:
     """Whether a program may take ``a`` and donate it (``donating_identity``).
 

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from . import _compat
 from ._api import _avoid_ids, refuse_unplanned
 from ._api import plan as make_plan
 from ._collective_common import calls_started
@@ -89,6 +90,7 @@ def _recover(
 ) -> tuple[Any, Plan]:
     lost = _avoid_ids(lost_devices, "recover: lost_devices")
     if isinstance(sharding, Mesh):
+        _compat.check_shardings_readable(x)
         leaves, treedef = jax.tree_util.tree_flatten(x)
         if not all(isinstance(a, jax.Array) for a in leaves):
             # Only arrays live on a mesh: the rest (a step count as a Python int, say)
@@ -501,6 +503,7 @@ class ElasticManager:
           DataLossError: the lost devices held the only copy of some box; the mesh,
             the state and the pending change are left as they were.
         """
+        _compat.check_shardings_readable(state)
         target = self._mesh
         if self.pending:
             target = shrink_mesh(
