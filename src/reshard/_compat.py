@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec, Sharding, SingleDeviceSharding
 
-from . import _programs
+from . import _buffers, _programs
 
 
 def _private(module: str, path: str) -> Any:
@@ -547,6 +547,49 @@ def fresh_copies(xs: Sequence[jax.Array]) -> list[jax.Array]:
     if not xs:
         return []
     return list(jax.device_put(list(xs), [x.sharding for x in xs], may_alias=False))
+
+
+def new_handles(bufs: Sequence[jax.Array]) -> list[jax.Array]:
+    """New single-device arrays with the data of ``bufs``, whose arrays are about to be
+    deleted: over the same memory where it is host memory a CPU executor filled and
+    still holds on lease (an earlier reshard's output: the new array keeps the lease,
+    nothing is copied or allocated), else copies: also where the memory is part of a
+    block carved for several small shards, which the new array would keep whole,
+    shards that moved away included. (A donated output of an earlier reshard kept in
+    place was copied whole.)"""
+    spans = [
+        (b.unsafe_buffer_pointer(), b.size * np.dtype(b.dtype).itemsize)
+        if platform_of(b) == "cpu" and whole_bytes(b.dtype)
+        else (0, 1 << 62)  # (no lease holds that)
+        for b in bufs
+    ]
+    views = _buffers.POOL.views_of(spans)
+    over = [i for i, v in enumerate(views) if v is not None]
+    out: list[Any] = list(bufs)
+    if over:  # (no bytes move: nothing for a transfer guard to refuse)
+        with jax.transfer_guard_host_to_device("allow"):
+            placed = jax.device_put(
+                [views[i].view(np.dtype(bufs[i].dtype)).reshape(bufs[i].shape) for i in over],  # type: ignore[union-attr]
+                [bufs[i].sharding for i in over],
+                may_alias=True,
+            )
+        for i, p in zip(over, placed, strict=True):
+            out[i] = p
+    rest = [i for i, v in enumerate(views) if v is None]
+    if rest:
+        for i, c in zip(rest, fresh_copies([bufs[i] for i in rest]), strict=True):
+            out[i] = c
+    return out
+
+
+def whole_bytes(dtype: Any) -> bool:
+    """Whether elements of ``dtype`` take whole bytes (not int4, float4, ...)."""
+    dt = np.dtype(dtype)
+    if jax.numpy.issubdtype(dt, jax.numpy.integer):
+        return bool(jax.numpy.iinfo(dt).bits >= 8)
+    if jax.numpy.issubdtype(dt, jax.numpy.floating):
+        return bool(jax.numpy.finfo(dt).bits >= 8)
+    return True
 
 
 def platform_of(x: jax.Array) -> str:

@@ -958,7 +958,7 @@ def _donate(
         data = found[linked[0]][1]
         # Buffers XLA does not own (the CPU executors' outputs) an identity would copy,
         # allocating after earlier device sets' inputs were consumed: given new handles
-        # up front, over the same memory (``_new_handles``).
+        # up front, over the same memory (``_compat.new_handles``).
         on_lease = on_lease or _buffers.lease_test()
         adopted = on_lease(k[1] for a in linked for k in found[a][2] if k in kept)
         if len(linked) == 1 and not adopted and _identity_may_run(data.sharding, avoid):
@@ -974,7 +974,7 @@ def _donate(
         # The outputs' buffers, read before the identity invalidates the old handles.
         held = {i: _compat.buffer_keys(_data(out[i])) for i in outputs}
         if shared:
-            remap.update(zip(shared, _new_handles(list(shared.values())), strict=True))
+            remap.update(zip(shared, _compat.new_handles(list(shared.values())), strict=True))
         # Every identity's program first (one per device assignment), so that a
         # failure to build one comes before any array is donated.
         runs = [
@@ -997,49 +997,6 @@ def _donate(
             x.delete()
     for b in unused:
         b.delete()
-
-
-def _new_handles(bufs: Sequence[jax.Array]) -> list[jax.Array]:
-    """New single-device arrays with the data of ``bufs``, whose arrays are about to be
-    deleted: over the same memory where it is host memory a CPU executor filled and
-    still holds on lease (an earlier reshard's output: the new array keeps the lease,
-    nothing is copied or allocated), else copies: also where the memory is part of a
-    block carved for several small shards, which the new array would keep whole,
-    shards that moved away included. (A donated output of an earlier reshard kept in
-    place was copied whole.)"""
-    spans = [
-        (b.unsafe_buffer_pointer(), b.size * np.dtype(b.dtype).itemsize)
-        if _compat.platform_of(b) == "cpu" and _whole_bytes(b.dtype)
-        else (0, 1 << 62)  # (no lease holds that)
-        for b in bufs
-    ]
-    views = _buffers.POOL.views_of(spans)
-    over = [i for i, v in enumerate(views) if v is not None]
-    out: list[Any] = list(bufs)
-    if over:  # (no bytes move: nothing for a transfer guard to refuse)
-        with jax.transfer_guard_host_to_device("allow"):
-            placed = jax.device_put(
-                [views[i].view(np.dtype(bufs[i].dtype)).reshape(bufs[i].shape) for i in over],  # type: ignore[union-attr]
-                [bufs[i].sharding for i in over],
-                may_alias=True,
-            )
-        for i, p in zip(over, placed, strict=True):
-            out[i] = p
-    rest = [i for i, v in enumerate(views) if v is None]
-    if rest:
-        for i, c in zip(rest, _compat.fresh_copies([bufs[i] for i in rest]), strict=True):
-            out[i] = c
-    return out
-
-
-def _whole_bytes(dtype: Any) -> bool:
-    """Whether elements of ``dtype`` take whole bytes (not int4, float4, ...)."""
-    dt = np.dtype(dtype)
-    if jax.numpy.issubdtype(dt, jax.numpy.integer):
-        return bool(jax.numpy.iinfo(dt).bits >= 8)
-    if jax.numpy.issubdtype(dt, jax.numpy.floating):
-        return bool(jax.numpy.finfo(dt).bits >= 8)
-    return True
 
 
 def _identity_may_run(s: Sharding, avoid: frozenset[int]) -> bool:

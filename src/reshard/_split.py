@@ -302,7 +302,8 @@ def _prepare_consume(
     holders = collections.Counter(k for a in rest for k in keys[id(a)])
     # Tied too: arrays over host buffers XLA does not own (the CPU executors' outputs),
     # which a donating program would copy, allocating after other device sets'
-    # inputs were consumed (``_build_then_consume``): copied here, before any is.
+    # inputs were consumed (``_build_then_consume``): given new handles here, before
+    # any is consumed, over the same memory where they can be (``new_handles``).
     on_lease = _buffers.lease_test()
     is_tied = {
         id(a): id(a) in linked
@@ -312,7 +313,22 @@ def _prepare_consume(
     }
     tied = [a for a in rest if is_tied[id(a)]]
     alone = [a for a in rest if not is_tied[id(a)]]
-    copies = _compat.fresh_copies(tied)
+    # Of those, the ones tied only by their buffers on lease (not key arrays) take new
+    # handles over the same memory where they can (``new_handles``), the rest copies.
+    leased = {
+        id(a)
+        for a in tied
+        if id(a) not in linked
+        and all(holders[k] == 1 for k in keys[id(a)])
+        and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+    }
+    copied = iter(_compat.fresh_copies([a for a in tied if id(a) not in leased]))
+    copies = [
+        _compat.with_buffers(a, _compat.new_handles(list(_compat.device_buffers(a).values())))
+        if id(a) in leased
+        else next(copied)
+        for a in tied
+    ]
     donate: Callable[[], list[jax.Array]] = (
         _compat.prepare_donating_identity(alone) if alone else lambda: []
     )
