@@ -308,8 +308,14 @@ def test_donating_an_array_that_partly_stays_consumes_it(
     np.testing.assert_array_equal(np.asarray(_key_data(jax.jit(lambda v: v)(y))), truth)
 
 
-@pytest.mark.parametrize("executor,pack_on_host", EXECUTORS, ids=EXECUTOR_IDS)
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.bool_, np.complex64])
+@pytest.mark.parametrize(
+    "executor,pack_on_host,dtype",
+    [
+        (*e, dt)
+        for e, dt in zip(EXECUTORS, [np.float32, jnp.bfloat16, np.bool_, np.complex64], strict=True)
+    ],
+    ids=EXECUTOR_IDS,
+)
 def test_donating_an_earlier_reshards_output_hands_over_what_stays(
     handover_all, monkeypatch, executor, pack_on_host, dtype
 ):
