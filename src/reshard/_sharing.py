@@ -200,7 +200,9 @@ def shared_elsewhere(arrays: Sequence[Any]) -> set[int]:
     return sharing(arrays)[0]
 
 
-def sharing(arrays: Sequence[Any], *, collect: bool = True) -> tuple[set[int], set[int]]:
+def sharing(
+    arrays: Sequence[Any], *, once: OneCollection | None = None
+) -> tuple[set[int], set[int]]:
     """``(spared, linked)``: ids of those ``arrays`` that must not be consumed, each
     sharing buffers with a live, undeleted array not among them, or with one of
     ``arrays`` that must not be (consuming it would free buffers under that one); and
@@ -211,24 +213,27 @@ def sharing(arrays: Sequence[Any], *, collect: bool = True) -> tuple[set[int], s
     count as live, and one process may have collected it while another has not: so
     where any array would be spared, the garbage is collected (a full ``gc.collect()``,
     tens of ms in a large program, only on this path) and the record read again. Every
-    process then decides by what is truly live. Without ``collect``, the caller has
-    just collected (``collect_if_spared``)."""
+    process then decides by what is truly live. Calls sharing ``once`` (a donation's,
+    one per device set) collect at most once among them: after a collection, only
+    garbage made since could count as live."""
     if not _group_of:
         return set(), set()
     spared, linked = _sharing(arrays)
-    if spared and collect:
+    if spared and not (once is not None and once.done):
         gc.collect()
+        if once is not None:
+            once.done = True
         spared, linked = _sharing(arrays)
     return spared, linked
 
 
-def collect_if_spared(groups: Sequence[Sequence[Any]]) -> None:
-    """The garbage collection ``sharing`` makes, once for several calls of it (one per
-    group of ``groups``, each then with ``collect=False``): where any of them would
-    spare an array. (A collection per group took half of a concatenation of 512 arrays
+class OneCollection:
+    """Shared by the ``sharing`` calls of one donation: whether one has collected the
+    garbage. (A collection per device set took half of a concatenation of 512 arrays
     in four parts kept alive by their split input.)"""
-    if _group_of and any(_sharing(g)[0] for g in groups):
-        gc.collect()
+
+    def __init__(self) -> None:
+        self.done = False
 
 
 def _sharing(arrays: Sequence[Any]) -> tuple[set[int], set[int]]:

@@ -261,7 +261,7 @@ def _part_count_unsized(sections: int | Sequence[int]) -> int:
 
 
 def _prepare_consume(
-    arrays: Sequence[jax.Array], *, collect: bool = True
+    arrays: Sequence[jax.Array], once: _sharing.OneCollection | None = None
 ) -> Callable[[], list[jax.Array]]:
     """Prepares to donate ``arrays``; the returned call donates them and returns arrays
     on the same buffers, the inputs then deleted. Preparing copies what must be copied
@@ -275,7 +275,7 @@ def _prepare_consume(
     donating program must not take (``_compat.may_donate``: unpinned host memory, or
     pinned host memory that JAX itself describes as device memory) are returned as
     they are: on CPU, jax 0.10, the donating call aborts the process.
-    ``collect=False``: the caller has collected the garbage (``_sharing.sharing``).
+    ``once``: shared by the calls of one donation (``_sharing.sharing``).
 
     So are arrays that share buffers with a live array outside the call (a part of a
     split while the split array lives): consuming them would free buffers under it.
@@ -295,7 +295,7 @@ def _prepare_consume(
     """
     distinct = {id(a): a for a in arrays}
     donatable = [a for a in distinct.values() if _compat.may_donate(a)]
-    spared, linked = _sharing.sharing(donatable, collect=collect)
+    spared, linked = _sharing.sharing(donatable, once=once)
     keys = {id(a): _compat.buffer_keys(a).keys() for a in donatable}
     spared = _sharing.with_handles(spared, keys)
     rest = [a for a in donatable if id(a) not in spared]
@@ -390,10 +390,8 @@ def _build_then_consume_whole(
         version = _sharing.version()
         # Every group's copies and program first: a failure there consumes nothing.
         with readers.reading():
-            one = len(arrays) == 1
-            if not one:
-                _sharing.collect_if_spared(arrays)  # (once, not per group)
-            commits = [_prepare_consume(a, collect=one) for a in arrays]
+            once = _sharing.OneCollection()  # (the garbage collected once, not per group)
+            commits = [_prepare_consume(a, once) for a in arrays]
         with readers.deleting():
             # Sharing recorded meanwhile by another thread (a may_alias=True output of
             # one of them, say) may spare some: prepared again (rarely; at last as is).
