@@ -504,20 +504,13 @@ def checks_every_bit_pattern() -> None:
                         h.shape,
                         h.dtype,
                         (
-                            ("recv", 0, ((0, 256), (0, 100)), None),
-                            (
-                                "local",
-                                (0, 0),
-                                ((0, 256), (100, 256), (0, 256), (100, 256)),
-                                h.shape,
-                            ),
+                            ("recv", ((0, 256), (0, 100)), None),
+                            ("local", ((0, 256), (100, 256), (0, 256), (100, 256)), h.shape),
                         ),
                     ),
                 )
             )
-            (y,) = jax.jit(lambda r, loc, o=outs: _local_executor._build(o, r, loc))(
-                {0: left}, {(0, 0): x}
-            )
+            (y,) = jax.jit(lambda r, loc, o=outs: _local_executor._build(o, r, loc))(left, x)
             if not np.array_equal(bits_of(np.asarray(y)), bits_of(h)):
                 bad.append(np.dtype(dt).name)
         assert not bad, f"changed: {bad}"
@@ -613,16 +606,14 @@ def checks_at_scale() -> None:
                         (
                             (R, c),
                             dt,
-                            tuple(
-                                ("recv", i, ((i * r, (i + 1) * r), (0, c)), None) for i in range(k)
-                            ),
+                            tuple(("recv", ((i * r, (i + 1) * r), (0, c)), None) for i in range(k)),
                         ),
                     )
                 )
-                build = jax.jit(lambda recv, d=outs: L._build(d, recv, {}))
+                build = jax.jit(lambda *recv, d=outs: L._build(d, *recv))
                 pieces = [cut(x) for x in srcs]
                 for j in range(k):
-                    (y,) = build({i: pieces[i][j] for i in range(k)})
+                    (y,) = build(*(pieces[i][j] for i in range(k)))
                     want = full[:, j * c : (j + 1) * c]
                     bad += int((bits_of(np.asarray(y)) != bits_of(want)).sum())
                 del pieces

@@ -234,3 +234,14 @@ def lossy_bf16_to_bits(real: Any) -> Any:
         return real(x)
 
     return to_bits
+
+
+class CompileCounter:
+    """A ``jax.monitoring`` duration listener that counts XLA compilations."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, event: str, *args: Any, **kwargs: Any) -> None:
+        if "backend_compile" in event:
+            self.count += 1

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import check_result, failing_identity_after, place, pointers
+from helpers import CompileCounter, check_result, failing_identity_after, place, pointers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
@@ -933,15 +933,6 @@ def test_mixed_platforms_error(tree, monkeypatch):
     fake = FakeSharding(DEVS[0])
     with pytest.raises(ValueError, match=r"mix platforms \['cpu', 'gpu'\]"):
         reshard.plan(tree["b"], fake, cache=False)
-
-
-class CompileCounter:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, *args, **kwargs):
-        if "backend_compile" in event:
-            self.count += 1
 
 
 def test_cached_plans_do_not_recompile():

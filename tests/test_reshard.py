@@ -786,19 +786,19 @@ def _run_watching_live_buffers(x, dst, may_alias=None):
 
         return call
 
-    program, device_put, copy_shards = (
-        _local_executor._program,
+    compiled, device_put, copy_shards = (
+        _local_executor.DeviceProgram.compiled,
         jax.device_put,
         _compat.copy_shards,
     )
-    _local_executor._program = lambda *key: watch(program(*key))
+    _local_executor.DeviceProgram.compiled = lambda *a: watch(compiled(*a))
     jax.device_put = watch(device_put)
     _compat.copy_shards = watch(copy_shards)  # (the executor's batched transfers)
     try:
         p = reshard.plan(x, dst, executor="device")
         y = p.execute(x, may_alias=may_alias)
     finally:
-        _local_executor._program, jax.device_put = program, device_put
+        _local_executor.DeviceProgram.compiled, jax.device_put = compiled, device_put
         _compat.copy_shards = copy_shards
     return y, p, seen
 

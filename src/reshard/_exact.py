@@ -91,7 +91,7 @@ def _programs_in_small(
     right = ((0, rows), (half, width))
     cuts = local._Static(((left, shape, str(dtype)),))
     outputs = local._Static(
-        ((shape, dtype, (("recv", 0, left, None), ("local", (0, 0), right + right, shape))),)
+        ((shape, dtype, (("recv", left, None), ("local", right + right, shape))),)
     )
 
     def moved(x: jax.Array, at: jax.Array) -> jax.Array:
@@ -112,7 +112,7 @@ def _programs_in_small(
         return [copy]
     return [
         (lambda x: local._cut(cuts, x)[0], [host], piece),
-        (lambda p, x: local._build(outputs, {0: p}, {(0, 0): x})[0], [piece, host], host),
+        (lambda p, x: local._build(outputs, p, x)[0], [piece, host], host),
         copy,
         (moved, [host, np.array([0, half], np.int32)], host),
     ]

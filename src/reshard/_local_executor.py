@@ -5,11 +5,13 @@ Two ways of moving bytes, chosen per run:
 * **host** (CPU devices): every destination shard is a fresh 64-byte-aligned numpy
   buffer filled straight from zero-copy numpy views of the source shards, then handed
   to XLA without a copy. Each moved byte is copied once; nothing is gathered.
-* **device** (accelerators; also runs on CPU for testing): per source device, one
-  compiled program cuts out all the pieces that leave it; one batched ``device_put``
-  moves them device to device; per destination device, one compiled program writes
-  the received pieces and the locally kept ones into the new shards. Dispatches scale
-  with devices, not with pieces or leaves.
+* **device** (accelerators; also runs on CPU for testing): per source device,
+  compiled programs cut out the pieces that leave it; one batched ``device_put``
+  moves them device to device; per destination device, compiled programs write the
+  received pieces and the locally kept ones into the new shards. Each program takes
+  at most ``PIECES_PER_PROGRAM`` pieces, so that compiling stays cheap however large
+  the tree, and the pieces of repeated layers fill programs of their own, compiled
+  once: dispatches scale with devices and pieces / ``PIECES_PER_PROGRAM``.
 
 Neither path deletes anything: donation is the caller's last step, after every output
 exists, so a failure part-way loses no input.
@@ -22,7 +24,7 @@ import itertools
 import math
 import os
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
@@ -528,60 +530,80 @@ class DeviceProgram:
                 else:
                     self.piece_inputs[(li, di)] = inputs[di]
                     self.builds[d.device].append((li, di))
-        # Per device, what its cut and build programs do (``_program``'s key): equal
-        # plans (one rebuilt with cache=False, say) reuse the programs compiled for
-        # the first, instead of compiling their own.
-        # The shapes and element types of their inputs belong to the key too, so
-        # that each entry compiles exactly one program.
-        self.cuts = {
-            dev: _Static(
-                tuple(
-                    (s.slices, self._src_shape(s.leaf, s.src), str(self.jobs[s.leaf].dtype))
-                    for s in sends
+        # Per device, its cut and build programs (``_program``'s key is what one does):
+        # the pieces in chunks of at most ``PIECES_PER_PROGRAM`` (``_chunked``), so
+        # that a program's size, and the time and memory compiling it takes, do not
+        # grow with the tree, and the chunks of repeated layers are one program. Equal
+        # plans (one rebuilt with cache=False, say) reuse the programs compiled for the
+        # first, instead of compiling their own. The shapes and element types of their
+        # inputs belong to the key too, so that each entry compiles exactly one program.
+        self.cuts: dict[int, list[tuple[_Static, list[int]]]] = {
+            dev: _chunked(
+                [
+                    ((s.slices, self._src_shape(s.leaf, s.src), str(self.jobs[s.leaf].dtype)), 1, i)
+                    for i, s in enumerate(sends)
                     if s.slices is not None
-                )
+                ]
             )
             for dev, sends in self.sends.items()
         }
-        self.outputs = {dev: self._outputs(targets) for dev, targets in self.builds.items()}
+        self.outputs: dict[int, list[tuple[_Static, list[tuple[int, int]]]]] = {
+            dev: _chunked([self._output(li, di) for li, di in targets])
+            for dev, targets in self.builds.items()
+        }
         # The (leaf, source device) shards the programs read, staged once per call.
         reads = {(s.leaf, self.jobs[s.leaf].plan.spec.src[s.src].device) for s in self.send_order}
         for (li, _di), pieces in self.piece_inputs.items():
             spec = self.jobs[li].plan.spec
             reads.update((li, spec.src[ref].device) for kind, ref, _sl in pieces if kind == "local")
         self.reads = sorted(reads)
-        self._fns: dict[tuple[str, int], Any] = {}
+        # The jitted programs, by (what, chunk, device): shared by equal programs of
+        # other plans, so that a plan rebuilt for each call finds all of its own even
+        # where more chunks than the shared cache holds would push each other out.
+        everything = tuple(
+            (name, dev, tuple(desc for desc, _ in by_dev[dev]))
+            for name, by_dev in (("cut", self.cuts), ("build", self.outputs))
+            for dev in sorted(by_dev)
+        )
+        self._key = ("device programs", _Static(everything))
+        self._fns: _Fns = _programs.shared(self._key, _Fns)
 
-    def compiled(self, what: Callable[..., Any], device_id: int) -> Any:
-        """The jitted cut or build program of one device: from the shared cache
-        (``_program``) the first time, then held here, so that a plan kept in the plan
-        cache never compiles again, whatever the shared cache dropped."""
-        fn = self._fns.get((what.__name__, device_id))
+    def compiled(self, what: Callable[..., Any], desc: _Static, device_id: int) -> Any:
+        """The jitted cut or build program of one chunk: from the shared cache
+        (``_program``) the first time, then held with this program's others, so that
+        a plan kept in the plan cache never compiles again, whatever the shared cache
+        dropped."""
+        key = (what.__name__, desc, device_id)
+        fn = self._fns.get(key)
         if fn is None:
-            desc = (self.cuts if what is _cut else self.outputs)[device_id]
-            fn = self._fns[(what.__name__, device_id)] = _program(what, desc, device_id)
+            fn = self._fns[key] = _program(what, desc, device_id)
+            # (Back as the newest entry, or in again where the chunks' own entries
+            # pushed it out.)
+            _programs.shared(self._key, lambda: self._fns)
         return fn
 
-    def _outputs(self, targets: Sequence[tuple[int, int]]) -> _Static:
-        outs = []
-        for li, di in targets:
-            job = self.jobs[li]
-            inputs = tuple(
-                (kind, ref, tuple((a.start, a.stop) for a in sl), None)
-                if kind == "recv"  # its shape is that of its slices
-                else (
-                    kind,
-                    (li, ref),
-                    tuple((a.start, a.stop) for a in sl),
-                    self._src_shape(li, ref),
-                )
-                for kind, ref, sl in self.piece_inputs[(li, di)]
+    def _output(self, li: int, di: int) -> tuple[tuple[Any, ...], int, tuple[int, int]]:
+        """What building one destination shard does (for ``_chunked``): its shape and
+        type, and per piece, in ``piece_inputs``' order, where it goes (and for a kept
+        piece, where it is cut from, out of a source shard of what shape)."""
+        job = self.jobs[li]
+        pieces = tuple(
+            (
+                kind,
+                tuple((a.start, a.stop) for a in sl),
+                None if kind == "recv" else self._src_shape(li, ref),
             )
-            outs.append((box_shape(job.plan.spec.dst[di].box), job.dtype, inputs))
-        return _Static(tuple(outs))
+            for kind, ref, sl in self.piece_inputs[(li, di)]
+        )
+        return (box_shape(job.plan.spec.dst[di].box), job.dtype, pieces), len(pieces), (li, di)
 
     def _src_shape(self, li: int, si: int) -> tuple[int, ...]:
         return box_shape(self.jobs[li].plan.spec.src[si].box)
+
+
+class _Fns(dict[tuple[str, "_Static", int], Any]):
+    """A plan's jitted programs (a dict that the shared cache can hold weakly
+    referenced, as its tests do)."""
 
 
 class _Static:
@@ -614,23 +636,68 @@ def _cut(cuts: _Static, *shards: jax.Array) -> tuple[jax.Array, ...]:
     )
 
 
-def _build(
-    outputs: _Static, recv: dict[int, jax.Array], local: dict[tuple[int, int], jax.Array]
-) -> list[jax.Array]:
-    """One device's destination shards from the pieces it received and kept."""
+def _build(outputs: _Static, *pieces: jax.Array) -> list[jax.Array]:
+    """Destination shards of one device from the pieces it received and kept, in the
+    order of their shards' ``piece_inputs`` (a kept piece is the source shard it is cut
+    from)."""
     outs = []
+    it = iter(pieces)
     for shape, dtype, inputs in outputs.desc:
         # Assembled as bits: see ``bits_dtype``.
         out = jnp.zeros(shape, bits_dtype(dtype))
         n = len(shape)
-        for kind, ref, bounds, _src_shape in inputs:
+        for kind, bounds, _src_shape in inputs:
             sl = tuple(slice(a, b) for a, b in bounds)
             if kind == "recv":
-                out = out.at[sl].set(to_bits(recv[ref]))
+                out = out.at[sl].set(to_bits(next(it)))
             else:
-                out = out.at[sl[n:]].set(to_bits(local[ref])[sl[:n]])
+                out = out.at[sl[n:]].set(to_bits(next(it))[sl[:n]])
         outs.append(from_bits(out, dtype))
     return outs
+
+
+# The most pieces one cut or build program takes. A program's size, and the time and
+# memory compiling it takes, grow with its pieces (one program per device over a whole
+# tree of 200 arrays of 4 pieces held ~220 MiB and compiled for ~9 s on CPU), while
+# each program is one more dispatch per call.
+PIECES_PER_PROGRAM = 64
+
+
+def _chunked(items: Sequence[tuple[Hashable, int, Any]]) -> list[tuple[_Static, list[Any]]]:
+    """``items`` (what each does, its pieces, its payload) in programs of at most
+    ``PIECES_PER_PROGRAM`` pieces (an item of more is a program of its own), as (the
+    program's key: what its items do, the items' payloads).
+
+    Items that do the same thing (the same layer's arrays in a model of many layers)
+    fill programs of their own, which are then one compiled program; what remains of
+    them is packed with the rest in order.
+    """
+    groups: dict[Hashable, list[tuple[Hashable, int, Any]]] = {}
+    for item in items:
+        groups.setdefault(item[0], []).append(item)
+    chunks: list[list[tuple[Hashable, int, Any]]] = []
+    rest: list[tuple[Hashable, int, Any]] = []
+    for group in groups.values():
+        per = max(1, PIECES_PER_PROGRAM // max(1, group[0][1]))
+        full = len(group) - len(group) % per if len(group) >= per else 0
+        chunks.extend(group[k : k + per] for k in range(0, full, per))
+        rest.extend(group[full:])
+    chunk: list[tuple[Hashable, int, Any]] = []
+    weight = 0
+    for item in rest:
+        if chunk and weight + item[1] > PIECES_PER_PROGRAM:
+            chunks.append(chunk)
+            chunk, weight = [], 0
+        chunk.append(item)
+        weight += item[1]
+    if chunk:
+        chunks.append(chunk)
+    keys: dict[tuple[Hashable, ...], _Static] = {}  # (equal keys as one object: cheap lookups)
+    out = []
+    for c in chunks:
+        desc = tuple(i[0] for i in c)
+        out.append((keys.setdefault(desc, _Static(desc)), [i[2] for i in c]))
+    return out
 
 
 def _program(what: Callable[..., Any], desc: _Static, device_id: int) -> Any:
@@ -674,25 +741,25 @@ def run_device(
     def compute_ready(li: int, device_id: int) -> jax.Array:
         return staged[(li, device_id)]
 
-    # 1. Cut the pieces that leave each source device (one program per device).
+    # 1. Cut the pieces that leave each source device (programs of ``_chunked``).
     payload: dict[int, jax.Array] = {}
-    cut: Any = ()
-    it: Any = iter(())
     ids = {id(s): i for i, s in enumerate(program.send_order)}
     for dev, sends in program.sends.items():
-        cut_inputs = [
-            compute_ready(s.leaf, jobs[s.leaf].plan.spec.src[s.src].device)
-            for s in sends
-            if s.slices is not None
-        ]
-        cut = program.compiled(_cut, dev)(*cut_inputs) if cut_inputs else ()
-        it = iter(cut)
         for send in sends:
             if send.slices is None:
                 src_dev = jobs[send.leaf].plan.spec.src[send.src].device
                 payload[ids[id(send)]] = compute_ready(send.leaf, src_dev)
-            else:
-                payload[ids[id(send)]] = next(it)
+        for desc, chunk in program.cuts[dev]:
+            chunk_sends = [sends[k] for k in chunk]
+            cut = program.compiled(_cut, desc, dev)(
+                *(
+                    compute_ready(s.leaf, jobs[s.leaf].plan.spec.src[s.src].device)
+                    for s in chunk_sends
+                )
+            )
+            for send, piece in zip(chunk_sends, cut, strict=True):
+                payload[ids[id(send)]] = piece
+            del cut
     # 2. One batched device-to-device transfer for every piece that changes device
     # (one that only changes memory kind is already where it is built).
     recv = dict(payload)
@@ -711,23 +778,21 @@ def run_device(
     recv.update(zip(order, moved, strict=True))
     # The cut pieces go once their transfers are done (JAX holds them until then), not
     # when this returns: they and the destination shards need not coexist.
-    del payload, cut, it
-    # 3. Assemble each destination device's shards (one program per device).
+    del payload
+    # 3. Assemble each destination device's shards (programs of ``_chunked``).
     built: dict[tuple[int, int], jax.Array] = {}
-    for dev, targets in program.builds.items():
-        need_recv: dict[int, jax.Array] = {}
-        need_local: dict[tuple[int, int], jax.Array] = {}
-        for li, di in targets:
-            spec = jobs[li].plan.spec
-            for kind, ref, _sl in program.piece_inputs[(li, di)]:
-                if kind == "recv":
-                    need_recv[ref] = recv[ref]
-                else:
-                    need_local[(li, ref)] = compute_ready(li, spec.src[ref].device)
-        outs = program.compiled(_build, dev)(need_recv, need_local)
-        for (li, di), o in zip(targets, outs, strict=True):
-            built[(li, di)] = o
-        del need_recv, need_local
+    for dev, chunks in program.outputs.items():
+        for desc, targets in chunks:
+            inputs = [
+                recv[ref]
+                if kind == "recv"
+                else compute_ready(li, jobs[li].plan.spec.src[ref].device)
+                for li, di in targets
+                for kind, ref, _sl in program.piece_inputs[(li, di)]
+            ]
+            outs = program.compiled(_build, desc, dev)(*inputs)
+            built.update(zip(targets, outs, strict=True))
+            del inputs
     for (li, di), ref in program.adopted.items():
         built[(li, di)] = recv[ref]
     # The received pieces and staged sources go once the shards are built, before

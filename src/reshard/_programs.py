@@ -6,15 +6,18 @@ and a cache without a bound would keep every program a workload whose shapes kee
 changing ever compiled. Each entry holds one executable (a compiled program, or a
 jitted function called with one set of input avals); least recently used out. A
 dropped entry frees its executable with it. An entry costs host memory: ~0.3-1.3 MB
-for small programs, ~1.65 MB on average for the device executor's programs of a
-50-array tree on CPU (measured as a loop of changing shapes filled the cache: 1024
-entries took ~1.7 GB, so the bound is 256, ~0.4 GB for such programs). But a program
-grows with the pieces it cuts or builds: the 8 programs of the device executor's
-relayout of 200 arrays of 2 KiB over 8 CPU devices (800 pieces per program) held ~220
-MiB (session 48), so the bound is one of count, not of memory. The device executor
-takes two entries per device per plan (its cut and build programs), so 256 entries
-hold the programs of 16 plans over 8 devices; a plan in the plan cache also holds
-its own, and never compiles them again.
+for small programs (measured as a loop of changing shapes filled the cache: 1024
+entries of ~1.65 MB took ~1.7 GB, so the bound is 256, ~0.4 GB for such programs).
+
+The device executor's programs take at most ``_local_executor.PIECES_PER_PROGRAM``
+pieces each (one per device over the whole tree grew with it: 220 MiB for a relayout
+of 200 small arrays over 8 CPU devices, 8.5 GiB to compile one of 2000), ~4-5 MiB
+each on CPU (a relayout of 512 arrays of 32 pieces: 32 programs held ~170 MiB). A
+plan's programs are also held together, in one more entry (a dict of them, keyed by
+all of them), put back as the newest whenever one of them compiles: a plan whose
+programs outnumber the bound would otherwise push its own out in turn, and compile
+each again at every call. The bound is thus one of count, not of memory; a plan in
+the plan cache holds its programs itself, and never compiles them again.
 
 The host-packed collective executor keeps its schedules here too (one entry each,
 keyed by the program's fingerprint): what it packs, sends and unpacks per stage, with

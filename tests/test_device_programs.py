@@ -1,0 +1,186 @@
+"""The device executor's compiled programs: in chunks of a bounded number of pieces,
+one program for the chunks of repeated layers, and found again by the plans rebuilt
+for each call."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from helpers import CompileCounter, check_result, place, random_values
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_reshard import cases
+
+import reshard
+from reshard import _local_executor, _programs
+
+DEVS = jax.devices()
+
+
+def mesh(ids, names=("a",)):
+    return Mesh(np.array([DEVS[i] for i in ids]).reshape(-1, *([2] * (len(names) - 1))), names)
+
+
+@st.composite
+def items(draw):
+    """What ``_chunked`` takes: (what an item does, its pieces, its payload), some
+    items doing the same as others."""
+    kinds = draw(st.lists(st.integers(1, 9), min_size=1, max_size=6))  # pieces per kind
+    order = draw(st.lists(st.integers(0, len(kinds) - 1), max_size=60))
+    return [((f"kind{k}", kinds[k]), kinds[k], n) for n, k in enumerate(order)]
+
+
+@given(its=items(), per=st.integers(1, 12))
+def test_chunks_hold_every_item_once_in_bounded_programs(its, per):
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_local_executor, "PIECES_PER_PROGRAM", per)
+        chunks = _local_executor._chunked(its)
+    by_payload = {n: (what, pieces) for what, pieces, n in its}
+    got = [n for _, payloads in chunks for n in payloads]
+    assert sorted(got) == sorted(by_payload)
+    # Items that do the same thing keep their order (the program's inputs follow it).
+    for kind in {what for what, _, _ in its}:
+        assert [n for n in got if by_payload[n][0] == kind] == [
+            n for what, _, n in its if what == kind
+        ]
+    for key, payloads in chunks:
+        assert key.desc == tuple(by_payload[n][0] for n in payloads)
+        weight = sum(by_payload[n][1] for n in payloads)
+        assert weight <= per or len(payloads) == 1
+    # A kind with enough items for full programs runs them as one program: its full
+    # chunks are one key (one object, so that looking it up is cheap).
+    keys: dict[object, list[object]] = {}
+    for key, _ in chunks:
+        keys.setdefault(key.desc, []).append(key)
+    for kind in {what for what, _, _ in its}:
+        pieces = kind[1]
+        count = sum(what == kind for what, _, _ in its)
+        full = max(1, per // pieces)
+        if count >= 2 * full:
+            desc = (kind,) * full
+            assert len(keys[desc]) >= count // full - 1
+            assert all(k is keys[desc][0] for k in keys[desc])
+
+
+def test_interleaved_layers_fill_programs_of_their_own(monkeypatch):
+    # Two kinds of arrays taking turns (a model's layers: attention, MLP, ...): each
+    # kind fills programs of its own, one compiled program per kind, however many
+    # layers; what is left over is packed in order.
+    monkeypatch.setattr(_local_executor, "PIECES_PER_PROGRAM", 4)
+    a, b = ("a", 1), ("b", 2)
+    its = [(a if n % 2 else b, a[1] if n % 2 else b[1], n) for n in range(19)]
+    chunks = _local_executor._chunked(its)
+    assert [(k.desc, p) for k, p in chunks] == [
+        ((b, b), [0, 2]),
+        ((b, b), [4, 6]),
+        ((b, b), [8, 10]),
+        ((b, b), [12, 14]),
+        ((b, b), [16, 18]),
+        ((a, a, a, a), [1, 3, 5, 7]),
+        ((a, a, a, a), [9, 11, 13, 15]),
+        ((a,), [17]),
+    ]
+    assert len({k for k, _ in chunks}) == 3, chunks
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    picked=st.lists(st.tuples(cases(), st.integers(1, 3)), min_size=1, max_size=4),
+    per=st.sampled_from([1, 2, 3, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_trees_in_small_programs(picked, per, seed):
+    # Trees of random arrays, each repeated (the layers of a model), on the device
+    # executor with programs of a few pieces each: values, shardings and placement
+    # bit for bit, on a plan rebuilt for the call and on a cached one.
+    rng = np.random.default_rng(seed)
+    truths, xs, dsts = [], [], []
+    for (src, dst, shape, dtype), times in picked:
+        for _ in range(times):
+            truth = random_values(rng, shape, dtype)
+            truths.append(truth)
+            xs.append(place(truth, src))
+            dsts.append(dst)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_local_executor, "PIECES_PER_PROGRAM", per)
+        for cache in (False, True):
+            ys = reshard.reshard(xs, dsts, executor="device", cache_resharding_plans=cache)
+            for y, truth, dst in zip(ys, truths, dsts, strict=True):
+                check_result(y, truth, dst)
+
+
+def _layers(n, rows=8):
+    """``n`` arrays of one geometry (the repeated layers of a model), rows over 4
+    devices, and their destination: columns over 4 others (4 pieces per shard)."""
+    src = NamedSharding(mesh([0, 1, 2, 3]), P("a"))
+    dst = NamedSharding(mesh([4, 5, 6, 7]), P(None, "a"))
+    truths = [np.arange(rows * 16, dtype=np.float32).reshape(rows, 16) + k for k in range(n)]
+    return [place(t, src) for t in truths], dst, truths
+
+
+def _compiles(fn):
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counter)
+    return counter.count
+
+
+def test_repeated_layers_compile_as_many_programs_however_many_there_are(monkeypatch):
+    # Before programs were cut in chunks, each device's program covered the whole
+    # tree: its size, compile time and memory grew with the layers (2000 small arrays:
+    # 8.5 GiB and ~4 minutes on 8 CPU devices). Now 8 layers and 64 compile the same
+    # programs, and each holds at most PIECES_PER_PROGRAM pieces.
+    monkeypatch.setattr(_local_executor, "PIECES_PER_PROGRAM", 4)
+    counts, sizes = [], []
+    for n in (8, 64):
+        _programs.clear()
+        xs, dst, truths = _layers(n)
+        p = reshard.plan(xs, dst, executor="device")
+
+        def run(p=p, xs=xs, dst=dst, truths=truths):
+            for y, truth in zip(p.execute(xs), truths, strict=True):
+                check_result(y, truth, dst)
+
+        counts.append(_compiles(run))
+        program = next(v for k, v in p._cache.items() if k.startswith("device_program"))
+        sizes.append(
+            max(
+                sum(len(item[2]) if what == "build" else 1 for item in desc.desc)
+                for what, chunks in (("cut", program.cuts), ("build", program.outputs))
+                for by_dev in chunks.values()
+                for desc, _ in by_dev
+            )
+        )
+    assert counts[0] > 0
+    assert counts[1] == counts[0], counts
+    assert max(sizes) <= 4, sizes
+
+
+def test_uncached_plans_find_all_their_programs_beyond_the_shared_cache(monkeypatch):
+    # A plan rebuilt for each call (the default) whose programs outnumber the shared
+    # cache's bound must not compile them again at every call, as a cache pushing its
+    # own entries out in turn would.
+    monkeypatch.setattr(_local_executor, "PIECES_PER_PROGRAM", 1)
+    monkeypatch.setattr(_programs, "PROGRAM_CACHE_SIZE", 4)
+    _programs.clear()
+    src = NamedSharding(mesh([0, 1, 2, 3]), P("a"))
+    dst = NamedSharding(mesh([4, 5, 6, 7]), P(None, "a"))
+    truths = [np.arange(8 * k * 16, dtype=np.float32).reshape(8 * k, 16) for k in (1, 2, 3)]
+    xs = [place(t, src) for t in truths]
+
+    def run():
+        for y, truth in zip(reshard.reshard(xs, dst, executor="device"), truths, strict=True):
+            check_result(y, truth, dst)
+
+    first = _compiles(run)
+    assert first > 4  # more programs than the shared cache holds
+    assert _compiles(run) == 0
+    # The programs go with the plans' entry when the cache drops it: compiled again.
+    _programs.clear()
+    assert _compiles(run) == first
