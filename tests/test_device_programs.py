@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from test_reshard import cases
 
 import reshard
-from reshard import _local_executor, _programs
+from reshard import _collective_device, _collective_executor, _local_executor, _programs
 
 DEVS = jax.devices()
 
@@ -92,10 +92,12 @@ def test_interleaved_layers_fill_programs_of_their_own(monkeypatch):
     per=st.sampled_from([1, 2, 3, 5]),
     seed=st.integers(0, 2**16),
 )
-def test_random_trees_in_small_programs(picked, per, seed):
+@pytest.mark.parametrize("executor", ["device", "collective-device"])
+def test_random_trees_in_small_programs(executor, picked, per, seed):
     # Trees of random arrays, each repeated (the layers of a model), on the device
-    # executor with programs of a few pieces each: values, shardings and placement
-    # bit for bit, on a plan rebuilt for the call and on a cached one.
+    # executor with programs of a few pieces each, and device-packed in groups of a
+    # few pieces each: values, shardings and placement bit for bit, on a plan
+    # rebuilt for the call and on a cached one.
     rng = np.random.default_rng(seed)
     truths, xs, dsts = [], [], []
     for (src, dst, shape, dtype), times in picked:
@@ -106,8 +108,12 @@ def test_random_trees_in_small_programs(picked, per, seed):
             dsts.append(dst)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(_local_executor, "PIECES_PER_PROGRAM", per)
+        m.setattr(_collective_device, "COPIES_PER_PROGRAM", per)
+        m.setattr(_collective_executor, "PACK_ON_HOST", False)
         for cache in (False, True):
-            ys = reshard.reshard(xs, dsts, executor="device", cache_resharding_plans=cache)
+            ys = reshard.reshard(
+                xs, dsts, executor=executor.split("-")[0], cache_resharding_plans=cache
+            )
             for y, truth, dst in zip(ys, truths, dsts, strict=True):
                 check_result(y, truth, dst)
 
@@ -184,3 +190,56 @@ def test_uncached_plans_find_all_their_programs_beyond_the_shared_cache(monkeypa
     # The programs go with the plans' entry when the cache drops it: compiled again.
     _programs.clear()
     assert _compiles(run) == first
+
+
+def test_device_packed_groups_bound_their_pieces_and_run_back_to_back(monkeypatch):
+    # Device-packed, arrays also run in groups of at most COPIES_PER_PROGRAM pieces
+    # (one program each, so that none grows with the tree), and groups of the same
+    # arrays (repeated layers) compile once. Unlike the groups that bound
+    # placeholders, nothing waits for one to finish before the next starts.
+    groups = _collective_device.leaf_groups
+    assert groups([0, 0, 0, 0], 6, [2, 3, 1, 4], 5) == [[0, 1], [2, 3]]
+    assert groups([3, 3, 0], 6, [9, 1, 1], 5) == [[0], [1, 2]]  # over either alone
+    assert groups([3, 3, 1], 6, [1, 1, 1], 5) == [[0, 1], [2]]
+    monkeypatch.setattr(_collective_executor, "PACK_ON_HOST", False)
+    monkeypatch.setattr(_collective_device, "COPIES_PER_PROGRAM", 32)  # 2 arrays
+    waits = []
+    real_wait = jax.block_until_ready
+
+    def counted(x):
+        waits.append(1)
+        return real_wait(x)
+
+    monkeypatch.setattr(_collective_device.jax, "block_until_ready", counted)
+    counts = []
+    for n in (4, 16):
+        _programs.clear()
+        xs, dst, truths = _layers(n)  # 16 pieces per array
+        p = reshard.plan(xs, dst, executor="collective")
+
+        ys = []
+        waits.clear()
+        counts.append(_compiles(lambda p=p, xs=xs, ys=ys: ys.extend(p.execute(xs))))
+        assert not waits
+        for y, truth in zip(ys, truths, strict=True):
+            check_result(y, truth, dst)
+        (program,) = [
+            v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
+        ]
+        assert program.groups == [[k, k + 1] for k in range(0, n, 2)]
+    assert counts[0] > 0
+    assert counts[1] == counts[0], counts
+    # Groups that bound placeholders still wait for the programs before them: here
+    # every array's placeholders are over the bound alone.
+    monkeypatch.setattr(_collective_device, "GROUP_BYTES", 1)
+    xs, dst, truths = _layers(3)
+    waits.clear()
+    p = reshard.plan(xs, dst, executor="collective")
+    ys = p.execute(xs)
+    (program,) = [
+        v for v in p._cache.values() if isinstance(v, _collective_executor.CollectiveProgram)
+    ]
+    assert program.groups == [[0], [1], [2]]
+    assert len(waits) == 2
+    for y, truth in zip(ys, truths, strict=True):
+        check_result(y, truth, dst)

@@ -1268,18 +1268,21 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             for i, dt in enumerate([np.float32, jnp.bfloat16, np.int8, jnp.int4, np.bool_])
         }
         x = {k: make(v, src) for k, v in tree.items()}
-        saved = _collective_device.GROUP_BYTES
-        _collective_device.GROUP_BYTES = 1
-        try:
-            p = reshard.plan(x, dict.fromkeys(tree, dst), cache=False)
-            y = p.execute(x)
-        finally:
-            _collective_device.GROUP_BYTES = saved
-        program = only_program(p)
-        assert program.groups == [[k] for k in range(len(tree))], program.groups
-        for k, v in tree.items():
-            check(y[k], v, dst)
-            check(x[k], v, src)
+        # And pieces bounded: every array its own group again, but the groups run back
+        # to back (each still exchanging its status first).
+        for bound in ("GROUP_BYTES", "COPIES_PER_PROGRAM"):
+            saved = getattr(_collective_device, bound)
+            setattr(_collective_device, bound, 1)
+            try:
+                p = reshard.plan(x, dict.fromkeys(tree, dst), cache=False)
+                y = p.execute(x)
+            finally:
+                setattr(_collective_device, bound, saved)
+            program = only_program(p)
+            assert program.groups == [[k] for k in range(len(tree))], program.groups
+            for k, v in tree.items():
+                check(y[k], v, dst)
+                check(x[k], v, src)
 
     def sixty_four_bit_types_with_x64_on() -> None:
         # With jax_enable_x64 on (a Python int is then a 64-bit integer inside a

@@ -241,7 +241,9 @@ class CollectiveProgram:
                 alias,
                 self.copy_kept,
                 pack_on_host,
-                host_packed.settings() if pack_on_host else group_bytes,
+                host_packed.settings()
+                if pack_on_host
+                else (group_bytes, device_packed.COPIES_PER_PROGRAM),
                 described,
             )
             self.fingerprint = fingerprint(what)
@@ -298,7 +300,19 @@ class CollectiveProgram:
                 else 0
                 for lf, dt, lp in zip(self.leaves, self.in_dtypes, self.leaf_plans, strict=True)
             ]
-            self.groups = device_packed.leaf_groups(placeholder_bytes, group_bytes)
+            # And in groups of at most COPIES_PER_PROGRAM pieces, so that a program's
+            # size (and the time and memory compiling it takes) does not grow with
+            # the tree; groups of the same arrays (repeated layers) are one program.
+            pieces = [0] * len(self.leaves)
+            for c in copies:
+                pieces[c[0]] += 1
+            self.groups = device_packed.leaf_groups(
+                placeholder_bytes, group_bytes, pieces, device_packed.COPIES_PER_PROGRAM
+            )
+            # Per group, its placeholder bytes per device; a group's wait for the
+            # previous ones to finish is only needed to keep them under group_bytes.
+            self.group_bytes = group_bytes
+            self.placeholder_bytes = [sum(placeholder_bytes[li] for li in g) for g in self.groups]
             self.rounds = []  # per group
             for group in self.groups:
                 local = {li: k for k, li in enumerate(group)}
@@ -725,7 +739,14 @@ def run_collective(
     alias = tuple(alias)
     group_bytes = device_packed.GROUP_BYTES
     picked = None if only is None else tuple(only)
-    key = ("collective_program", alias, PACK_ON_HOST, group_bytes, KEPT_ON_DEVICE, picked)
+    key = (
+        "collective_program",
+        alias,
+        PACK_ON_HOST,
+        (group_bytes, device_packed.COPIES_PER_PROGRAM),
+        KEPT_ON_DEVICE,
+        picked,
+    )
     program: CollectiveProgram | None = plan._cache.get(key)
     limit = collective_timeout_s() if jax.process_count() > 1 else 0.0
     with watchdog(limit):
