@@ -192,6 +192,36 @@ def test_uncached_plans_find_all_their_programs_beyond_the_shared_cache(monkeypa
     assert _compiles(run) == first
 
 
+def test_uncached_plans_hold_at_most_the_bound_of_programs(monkeypatch):
+    # Plans rebuilt for each call, several in turn: a plan's programs are one entry of
+    # the shared cache, weighed as as many, so that what the cache keeps alive stays
+    # within PROGRAM_CACHE_SIZE programs however many plans are in use.
+    import gc
+    import weakref
+
+    monkeypatch.setattr(_local_executor, "PIECES_PER_PROGRAM", 2)
+    monkeypatch.setattr(_programs, "PROGRAM_CACHE_SIZE", 16)
+    _programs.clear()
+    src = NamedSharding(mesh([0, 1, 2, 3]), P("a"))
+    dst = NamedSharding(mesh([4, 5, 6, 7]), P(None, "a"))
+    held = weakref.WeakSet()  # every program the cache held at some point
+
+    def run_plans():
+        for plans in range(1, 7):
+            for k in range(1, plans + 1):  # every plan so far, each a shape of its own
+                truth = np.arange(8 * k * 16, dtype=np.float32).reshape(8 * k, 16)
+                y = reshard.reshard(place(truth, src), dst, executor="device")
+                check_result(y, truth, dst)
+                for entry in list(_programs._programs.values()):
+                    if isinstance(entry, _programs.Programs):
+                        held.update(entry.values())
+                assert _programs.size() <= 16
+
+    assert _compiles(run_plans) > 16  # more programs than the bound were made
+    gc.collect()
+    assert 0 < len(held) <= 16, len(held)
+
+
 def test_device_packed_groups_bound_their_pieces_and_run_back_to_back(monkeypatch):
     # Device-packed, arrays also run in groups of at most COPIES_PER_PROGRAM pieces
     # (one program each, so that none grows with the tree), and groups of the same

@@ -482,7 +482,7 @@ class _Send:
 
 class DeviceProgram:
     """The compiled-program form of a plan, built once and cached with the plan (the
-    compiled programs themselves are shared by what they do: ``_program``)."""
+    compiled programs themselves are shared by equal plans: ``compiled``)."""
 
     def __init__(self, jobs: Sequence[LeafJob]) -> None:
         self.jobs = list(jobs)
@@ -530,7 +530,7 @@ class DeviceProgram:
                 else:
                     self.piece_inputs[(li, di)] = inputs[di]
                     self.builds[d.device].append((li, di))
-        # Per device, its cut and build programs (``_program``'s key is what one does):
+        # Per device, its cut and build programs (keyed by what each does):
         # the pieces in chunks of at most ``PIECES_PER_PROGRAM`` (``_chunked``), so
         # that a program's size, and the time and memory compiling it takes, do not
         # grow with the tree, and the chunks of repeated layers are one program. Equal
@@ -557,29 +557,28 @@ class DeviceProgram:
             spec = self.jobs[li].plan.spec
             reads.update((li, spec.src[ref].device) for kind, ref, _sl in pieces if kind == "local")
         self.reads = sorted(reads)
-        # The jitted programs, by (what, chunk, device): shared by equal programs of
-        # other plans, so that a plan rebuilt for each call finds all of its own even
-        # where more chunks than the shared cache holds would push each other out.
+        # The jitted programs, by (what, chunk, device): one entry of the shared cache,
+        # weighed as as many programs (``_programs.Programs``), found by every equal
+        # plan (one rebuilt for each call, say), so that such a plan finds all of its
+        # programs even where they outnumber what the cache holds.
         everything = tuple(
             (name, dev, tuple(desc for desc, _ in by_dev[dev]))
             for name, by_dev in (("cut", self.cuts), ("build", self.outputs))
             for dev in sorted(by_dev)
         )
         self._key = ("device programs", _Static(everything))
-        self._fns: _Fns = _programs.shared(self._key, _Fns)
+        self._fns: _programs.Programs = _programs.shared(self._key, _programs.Programs)
 
     def compiled(self, what: Callable[..., Any], desc: _Static, device_id: int) -> Any:
-        """The jitted cut or build program of one chunk: from the shared cache
-        (``_program``) the first time, then held with this program's others, so that
-        a plan kept in the plan cache never compiles again, whatever the shared cache
+        """The jitted cut or build program of one chunk (its key holds the input
+        avals too: one executable each), held with this plan's others, so that a plan
+        kept in the plan cache never compiles again, whatever the shared cache
         dropped."""
         key = (what.__name__, desc, device_id)
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = _program(what, desc, device_id)
-            # (Back as the newest entry, or in again where the chunks' own entries
-            # pushed it out.)
-            _programs.shared(self._key, lambda: self._fns)
+            fn = self._fns[key] = jax.jit(functools.partial(what, desc))
+            _programs.grown(self._key, self._fns)
         return fn
 
     def _output(self, li: int, di: int) -> tuple[tuple[Any, ...], int, tuple[int, int]]:
@@ -599,11 +598,6 @@ class DeviceProgram:
 
     def _src_shape(self, li: int, si: int) -> tuple[int, ...]:
         return box_shape(self.jobs[li].plan.spec.src[si].box)
-
-
-class _Fns(dict[tuple[str, "_Static", int], Any]):
-    """A plan's jitted programs (a dict that the shared cache can hold weakly
-    referenced, as its tests do)."""
 
 
 class _Static:
@@ -700,14 +694,6 @@ def _chunked(items: Sequence[tuple[Hashable, int, Any]]) -> list[tuple[_Static, 
     return out
 
 
-def _program(what: Callable[..., Any], desc: _Static, device_id: int) -> Any:
-    """The jitted ``what`` for one device (its key holds the input avals too: one
-    executable each), shared by equal plans (``_programs``)."""
-    return _programs.shared(
-        (what.__name__, desc, device_id), lambda: jax.jit(functools.partial(what, desc))
-    )
-
-
 def run_device(
     program: DeviceProgram,
     sources: Sequence[jax.Array],
@@ -757,8 +743,7 @@ def run_device(
                     for s in chunk_sends
                 )
             )
-            for send, piece in zip(chunk_sends, cut, strict=True):
-                payload[ids[id(send)]] = piece
+            payload.update(zip((ids[id(s)] for s in chunk_sends), cut, strict=True))
             del cut
     # 2. One batched device-to-device transfer for every piece that changes device
     # (one that only changes memory kind is already where it is built).

@@ -4,8 +4,8 @@ A plan rebuilt for each call (``cache_resharding_plans=False``, the default) wou
 otherwise compile its programs again each time (seconds for the device-packed path),
 and a cache without a bound would keep every program a workload whose shapes keep
 changing ever compiled. Each entry holds one executable (a compiled program, or a
-jitted function called with one set of input avals); least recently used out. A
-dropped entry frees its executable with it. An entry costs host memory: ~0.3-1.3 MB
+jitted function called with one set of input avals), or the device executor's of one
+plan (below); least recently used out. A dropped entry frees its executables with it. An entry costs host memory: ~0.3-1.3 MB
 for small programs (measured as a loop of changing shapes filled the cache: 1024
 entries of ~1.65 MB took ~1.7 GB, so the bound is 256, ~0.4 GB for such programs).
 
@@ -13,11 +13,12 @@ The device executor's programs take at most ``_local_executor.PIECES_PER_PROGRAM
 pieces each (one per device over the whole tree grew with it: 220 MiB for a relayout
 of 200 small arrays over 8 CPU devices, 8.5 GiB to compile one of 2000), ~4-5 MiB
 each on CPU (a relayout of 512 arrays of 32 pieces: 32 programs held ~170 MiB). A
-plan's programs are also held together, in one more entry (a dict of them, keyed by
-all of them), put back as the newest whenever one of them compiles: a plan whose
-programs outnumber the bound would otherwise push its own out in turn, and compile
-each again at every call. The bound is thus one of count, not of memory; a plan in
-the plan cache holds its programs itself, and never compiles them again.
+plan's are held together, in one entry (``Programs``) found by every equal plan and
+weighed as as many programs: the bound is one of programs. That entry is made the
+newest whenever one of its programs compiles, and stays however many it holds (the
+others make room), or a plan rebuilt for each call whose programs outnumber the
+bound would push its own out and compile them again at every call. A plan in the
+plan cache holds its programs itself, and never compiles them again.
 
 The host-packed collective executor keeps its schedules here too (one entry each,
 keyed by the program's fingerprint): what it packs, sends and unpacks per stage, with
@@ -44,6 +45,7 @@ class _Store(OrderedDict[Hashable, Any]):
         super().__init__()
         self.weigh = weigh
         self.total = 0  # the weight of every entry, where weighed
+        self.weights: dict[Hashable, int] = {}  # each entry's, as last weighed
 
     def entry(
         self, key: Hashable, build: Callable[[], Any], bound: int, budget: int | None = None
@@ -61,25 +63,57 @@ class _Store(OrderedDict[Hashable, Any]):
         with _lock:
             if key not in self:
                 self[key] = made
+                self.weights[key] = weight
                 self.total += weight
-            while len(self) > bound or (budget is not None and self.total > budget):
-                _, dropped = self.popitem(last=False)
-                self.total -= self.weigh(dropped) if self.weigh is not None else 0
+            self._drop_oldest(bound, budget)
         return made
+
+    def reweigh(self, key: Hashable, value: Any, bound: int, budget: int) -> None:
+        """``value``, an entry that has grown, weighed again and kept as the newest
+        (put back where it was dropped), however heavy: the others make room."""
+        assert self.weigh is not None
+        with _lock:
+            self[key] = value
+            self.move_to_end(key)
+            weight = self.weigh(value)
+            self.total += weight - self.weights.get(key, 0)
+            self.weights[key] = weight
+            self._drop_oldest(bound, budget, keep=1)
+
+    def _drop_oldest(self, bound: int, budget: int | None, keep: int = 0) -> None:
+        while len(self) > max(bound, keep) or (
+            budget is not None and self.total > budget and len(self) > keep
+        ):
+            key, _ = self.popitem(last=False)
+            self.total -= self.weights.pop(key)
 
     def clear(self) -> None:
         super().clear()
+        self.weights.clear()
         self.total = 0
 
 
 _lock = threading.Lock()
 PROGRAM_CACHE_SIZE = 256
-_programs = _Store()
+# Each entry weighs the executables it holds: one, or a plan's programs (``Programs``).
+_programs = _Store(lambda v: len(v) if isinstance(v, Programs) else 1)
+
+
+class Programs(dict[Hashable, Any]):
+    """One entry holding several jitted programs (the device executor's of one plan,
+    by what each does), weighed as many; ``grown`` after adding to it."""
 
 
 def shared(key: Hashable, build: Callable[[], Any]) -> Any:
     """The entry for ``key`` from the cache, else ``build()``'s (then cached)."""
-    return _programs.entry(key, build, PROGRAM_CACHE_SIZE)
+    return _programs.entry(key, build, PROGRAM_CACHE_SIZE, PROGRAM_CACHE_SIZE)
+
+
+def grown(key: Hashable, programs: Programs) -> None:
+    """``programs``, the entry for ``key``, has more programs than when it was last
+    weighed: kept as the newest entry (back in, where it was dropped), and older ones
+    dropped to stay within ``PROGRAM_CACHE_SIZE`` programs, unless it alone holds more."""
+    _programs.reweigh(key, programs, PROGRAM_CACHE_SIZE, PROGRAM_CACHE_SIZE)
 
 
 # Jobs are host data, ~1 KiB per piece (17 KB for a 16-piece array on 8 devices, by
@@ -103,4 +137,5 @@ def clear() -> None:
 
 
 def size() -> int:
-    return len(_programs)
+    """The number of compiled programs the cache holds."""
+    return _programs.total
