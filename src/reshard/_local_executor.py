@@ -23,6 +23,7 @@ import functools
 import itertools
 import math
 import os
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -480,6 +481,12 @@ class _Send:
     dst_device: int
 
 
+# Every cut and build program some plan holds, by what it does (``compiled``).
+_live_programs: weakref.WeakValueDictionary[tuple[str, _Static, int], Any] = (
+    weakref.WeakValueDictionary()
+)
+
+
 class DeviceProgram:
     """The compiled-program form of a plan, built once and cached with the plan (the
     compiled programs themselves are shared by equal plans: ``compiled``)."""
@@ -577,7 +584,12 @@ class DeviceProgram:
         key = (what.__name__, desc, device_id)
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = jax.jit(functools.partial(what, desc))
+            # The same program of another plan (repeated layers of another tree) is
+            # shared while anything holds it.
+            fn = _live_programs.get(key)
+            if fn is None:
+                fn = _live_programs.setdefault(key, jax.jit(functools.partial(what, desc)))
+            self._fns[key] = fn
             _programs.grown(self._key, self._fns)
         return fn
 

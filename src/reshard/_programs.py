@@ -5,20 +5,25 @@ otherwise compile its programs again each time (seconds for the device-packed pa
 and a cache without a bound would keep every program a workload whose shapes keep
 changing ever compiled. Each entry holds one executable (a compiled program, or a
 jitted function called with one set of input avals), or the device executor's of one
-plan (below); least recently used out. A dropped entry frees its executables with it. An entry costs host memory: ~0.3-1.3 MB
-for small programs (measured as a loop of changing shapes filled the cache: 1024
-entries of ~1.65 MB took ~1.7 GB, so the bound is 256, ~0.4 GB for such programs).
+plan (below), and weighs as many; least recently used out, to at most
+``PROGRAM_CACHE_SIZE`` in all. A dropped entry frees its executables with it. An
+executable costs host memory: ~0.3-1.3 MB for small programs (measured as a loop of
+changing shapes filled the cache: 1024 entries of ~1.65 MB took ~1.7 GB, so the bound
+is 256, ~0.4 GB for such programs).
 
 The device executor's programs take at most ``_local_executor.PIECES_PER_PROGRAM``
 pieces each (one per device over the whole tree grew with it: 220 MiB for a relayout
 of 200 small arrays over 8 CPU devices, 8.5 GiB to compile one of 2000), ~4-5 MiB
 each on CPU (a relayout of 512 arrays of 32 pieces: 32 programs held ~170 MiB). A
-plan's are held together, in one entry (``Programs``) found by every equal plan and
-weighed as as many programs: the bound is one of programs. That entry is made the
-newest whenever one of its programs compiles, and stays however many it holds (the
-others make room), or a plan rebuilt for each call whose programs outnumber the
-bound would push its own out and compile them again at every call. A plan in the
-plan cache holds its programs itself, and never compiles them again.
+plan's are held together, in one entry (``Programs``) found by every equal plan. The
+plan whose programs compiled last is pinned: never dropped to make room, however
+many it holds, until another plan compiles, or a plan rebuilt for each call whose
+programs outnumber the bound would push its own out (or its call's other entries
+would) and compile them all again at every call. Plans in turn that need more than
+the bound together do compile again at each call: keep them in the plan cache, where
+a plan holds its programs itself and never compiles them again. A program equal to
+one of another plan (the same layers in another tree) is that one while anything
+holds it (``_local_executor._live_programs``); shared, it weighs in both entries.
 
 The host-packed collective executor keeps its schedules here too (one entry each,
 keyed by the program's fingerprint): what it packs, sends and unpacks per stage, with
@@ -46,6 +51,7 @@ class _Store(OrderedDict[Hashable, Any]):
         self.weigh = weigh
         self.total = 0  # the weight of every entry, where weighed
         self.weights: dict[Hashable, int] = {}  # each entry's, as last weighed
+        self.pinned: Hashable | None = None  # never dropped to make room (``reweigh``)
 
     def entry(
         self, key: Hashable, build: Callable[[], Any], bound: int, budget: int | None = None
@@ -61,7 +67,9 @@ class _Store(OrderedDict[Hashable, Any]):
         if budget is not None and weight > budget:
             return made  # (it would push everything else out, and not fit either)
         with _lock:
-            if key not in self:
+            if key in self:  # (built by another thread meanwhile: one for both)
+                made = self[key]
+            else:
                 self[key] = made
                 self.weights[key] = weight
                 self.total += weight
@@ -69,28 +77,36 @@ class _Store(OrderedDict[Hashable, Any]):
         return made
 
     def reweigh(self, key: Hashable, value: Any, bound: int, budget: int) -> None:
-        """``value``, an entry that has grown, weighed again and kept as the newest
-        (put back where it was dropped), however heavy: the others make room."""
+        """``value``, the entry for ``key`` (put back where it was dropped), has grown:
+        weighed again, made the newest, and pinned, however heavy, until another is:
+        the others make room."""
         assert self.weigh is not None
         with _lock:
-            self[key] = value
+            if self.setdefault(key, value) is not value:
+                return  # (another equal plan's, in its place: that one is weighed)
             self.move_to_end(key)
             weight = self.weigh(value)
             self.total += weight - self.weights.get(key, 0)
             self.weights[key] = weight
-            self._drop_oldest(bound, budget, keep=1)
+            self.pinned = key
+            self._drop_oldest(bound, budget)
 
-    def _drop_oldest(self, bound: int, budget: int | None, keep: int = 0) -> None:
-        while len(self) > max(bound, keep) or (
-            budget is not None and self.total > budget and len(self) > keep
-        ):
-            key, _ = self.popitem(last=False)
+    def _drop_oldest(self, bound: int, budget: int | None) -> None:
+        while len(self) > bound or (budget is not None and self.total > budget):
+            oldest = iter(self)
+            key = next(oldest, None)
+            if key is not None and key == self.pinned:
+                key = next(oldest, None)
+            if key is None:
+                return  # (the pinned entry alone)
+            del self[key]
             self.total -= self.weights.pop(key)
 
     def clear(self) -> None:
         super().clear()
         self.weights.clear()
         self.total = 0
+        self.pinned = None
 
 
 _lock = threading.Lock()
@@ -111,8 +127,9 @@ def shared(key: Hashable, build: Callable[[], Any]) -> Any:
 
 def grown(key: Hashable, programs: Programs) -> None:
     """``programs``, the entry for ``key``, has more programs than when it was last
-    weighed: kept as the newest entry (back in, where it was dropped), and older ones
-    dropped to stay within ``PROGRAM_CACHE_SIZE`` programs, unless it alone holds more."""
+    weighed: weighed again, made the newest (back in, where it was dropped) and
+    pinned, and older entries dropped to stay within ``PROGRAM_CACHE_SIZE`` programs
+    where they can be."""
     _programs.reweigh(key, programs, PROGRAM_CACHE_SIZE, PROGRAM_CACHE_SIZE)
 
 
@@ -137,5 +154,7 @@ def clear() -> None:
 
 
 def size() -> int:
-    """The number of compiled programs the cache holds."""
+    """The weight of what the cache holds: its executables (the jitted programs of the
+    device executor's entries, compiled or about to be, and the host-packed schedules
+    too, one each)."""
     return _programs.total
