@@ -6,7 +6,8 @@ and a cache without a bound would keep every program a workload whose shapes kee
 changing ever compiled. Each entry holds one executable (a compiled program, or a
 jitted function called with one set of input avals), or the device executor's of one
 plan (below), and weighs as many; least recently used out, to at most
-``PROGRAM_CACHE_SIZE`` in all. A dropped entry frees its executables with it. An
+``PROGRAM_CACHE_SIZE`` in all. A dropped entry frees its executables with it (but
+for those that another entry or a plan still holds). An
 executable costs host memory: ~0.3-1.3 MB for small programs (measured as a loop of
 changing shapes filled the cache: 1024 entries of ~1.65 MB took ~1.7 GB, so the bound
 is 256, ~0.4 GB for such programs).
@@ -16,10 +17,10 @@ pieces each (one per device over the whole tree grew with it: 220 MiB for a rela
 of 200 small arrays over 8 CPU devices, 8.5 GiB to compile one of 2000), ~4-5 MiB
 each on CPU (a relayout of 512 arrays of 32 pieces: 32 programs held ~170 MiB). A
 plan's are held together, in one entry (``Programs``) found by every equal plan. The
-plan whose programs compiled last is pinned: never dropped to make room, however
-many it holds, until another plan compiles, or a plan rebuilt for each call whose
-programs outnumber the bound would push its own out (or its call's other entries
-would) and compile them all again at every call. Plans in turn that need more than
+plan whose programs compiled last is pinned, until another plan compiles: never
+dropped, and held on top of the bound (up to that plan's programs more), or a plan
+rebuilt for each call whose programs outnumber the bound would push its own out (or
+its call's other entries would) and compile them all again at every call. Plans in turn that need more than
 the bound together do compile again at each call: keep them in the plan cache, where
 a plan holds its programs itself and never compiles them again. A program equal to
 one of another plan (the same layers in another tree) is that one while anything
@@ -92,15 +93,21 @@ class _Store(OrderedDict[Hashable, Any]):
             self._drop_oldest(bound, budget)
 
     def _drop_oldest(self, bound: int, budget: int | None) -> None:
-        while len(self) > bound or (budget is not None and self.total > budget):
+        """Drops the oldest entries until the others than the pinned one fit (the
+        pinned entry comes on top of the bound, not out of it)."""
+        pinned = self.pinned if self.pinned in self else None
+        count, weight = len(self), self.total
+        if pinned is not None:
+            count, weight = count - 1, weight - self.weights[pinned]
+        while count > bound or (budget is not None and weight > budget):
             oldest = iter(self)
-            key = next(oldest, None)
-            if key is not None and key == self.pinned:
-                key = next(oldest, None)
-            if key is None:
-                return  # (the pinned entry alone)
+            key = next(oldest)
+            if key == pinned:
+                key = next(oldest)
             del self[key]
-            self.total -= self.weights.pop(key)
+            dropped = self.weights.pop(key)
+            self.total -= dropped
+            count, weight = count - 1, weight - dropped
 
     def clear(self) -> None:
         super().clear()
@@ -128,8 +135,8 @@ def shared(key: Hashable, build: Callable[[], Any]) -> Any:
 def grown(key: Hashable, programs: Programs) -> None:
     """``programs``, the entry for ``key``, has more programs than when it was last
     weighed: weighed again, made the newest (back in, where it was dropped) and
-    pinned, and older entries dropped to stay within ``PROGRAM_CACHE_SIZE`` programs
-    where they can be."""
+    pinned, and older entries dropped for the others to stay within
+    ``PROGRAM_CACHE_SIZE`` programs."""
     _programs.reweigh(key, programs, PROGRAM_CACHE_SIZE, PROGRAM_CACHE_SIZE)
 
 
