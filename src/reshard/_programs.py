@@ -7,10 +7,10 @@ changing ever compiled. Each entry holds one executable (a compiled program, or 
 jitted function called with one set of input avals), or the device executor's of one
 plan (below), and weighs as many; least recently used out, to at most
 ``PROGRAM_CACHE_SIZE`` in all. A dropped entry frees its executables with it (but
-for those that another entry or a plan still holds). An
-executable costs host memory: ~0.3-1.3 MB for small programs (measured as a loop of
-changing shapes filled the cache: 1024 entries of ~1.65 MB took ~1.7 GB, so the bound
-is 256, ~0.4 GB for such programs).
+for those that another entry or a plan still holds). An executable costs host
+memory: ~0.3-1.3 MB for small programs (measured as a loop of changing shapes filled
+the cache: 1024 entries of ~1.65 MB took ~1.7 GB, so the bound is 256, ~0.4 GB for
+such programs).
 
 The device executor's programs take at most ``_local_executor.PIECES_PER_PROGRAM``
 pieces each (one per device over the whole tree grew with it: 220 MiB for a relayout
@@ -20,11 +20,12 @@ plan's are held together, in one entry (``Programs``) found by every equal plan.
 plan whose programs compiled last is pinned, until another plan compiles: never
 dropped, and held on top of the bound (up to that plan's programs more), or a plan
 rebuilt for each call whose programs outnumber the bound would push its own out (or
-its call's other entries would) and compile them all again at every call. Plans in turn that need more than
-the bound together do compile again at each call: keep them in the plan cache, where
-a plan holds its programs itself and never compiles them again. A program equal to
-one of another plan (the same layers in another tree) is that one while anything
-holds it (``_local_executor._live_programs``); shared, it weighs in both entries.
+its call's other entries would) and compile them all again at every call. Plans in
+turn that need more than the bound together do compile again at each call: keep them
+in the plan cache, where a plan holds its programs itself and never compiles them
+again. A program equal to one of another plan (the same layers in another tree) is
+that one while anything holds it (``_local_executor._live_programs``); shared, it
+weighs in both entries.
 
 The host-packed collective executor keeps its schedules here too (one entry each,
 keyed by the program's fingerprint): what it packs, sends and unpacks per stage, with
