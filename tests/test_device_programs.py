@@ -120,11 +120,18 @@ def test_random_trees_in_small_programs(executor, picked, per, seed):
                 check_result(y, truth, dst)
 
 
+def _rows_to_columns():
+    """Rows over devices 0-3, and columns over 4-7: each destination shard is cut
+    from every source shard."""
+    return NamedSharding(mesh([0, 1, 2, 3]), P("a")), NamedSharding(
+        mesh([4, 5, 6, 7]), P(None, "a")
+    )
+
+
 def _layers(n, rows=8):
     """``n`` arrays of one geometry (the repeated layers of a model), rows over 4
     devices, and their destination: columns over 4 others (4 pieces per shard)."""
-    src = NamedSharding(mesh([0, 1, 2, 3]), P("a"))
-    dst = NamedSharding(mesh([4, 5, 6, 7]), P(None, "a"))
+    src, dst = _rows_to_columns()
     truths = [np.arange(rows * 16, dtype=np.float32).reshape(rows, 16) + k for k in range(n)]
     return [place(t, src) for t in truths], dst, truths
 
@@ -186,8 +193,7 @@ def test_uncached_plans_find_all_their_programs_beyond_the_shared_cache(monkeypa
     monkeypatch.setattr(_local_executor, "PIECES_PER_PROGRAM", 1)
     monkeypatch.setattr(_programs, "PROGRAM_CACHE_SIZE", 4)
     _fresh()
-    src = NamedSharding(mesh([0, 1, 2, 3]), P("a"))
-    dst = NamedSharding(mesh([4, 5, 6, 7]), P(None, "a"))
+    src, dst = _rows_to_columns()
     truths = [np.arange(8 * k * 16, dtype=np.float32).reshape(8 * k, 16) for k in (1, 2, 3)]
     dsts = [dst] * 3 + [NamedSharding(mesh([0, 1, 4, 5]), P("a"))]  # 2 shards stay
     truths.append(np.arange(64, dtype=np.float32))
@@ -232,8 +238,7 @@ def test_uncached_plans_hold_at_most_the_bound_of_programs(monkeypatch):
     monkeypatch.setattr(_local_executor, "PIECES_PER_PROGRAM", 2)
     monkeypatch.setattr(_programs, "PROGRAM_CACHE_SIZE", 16)
     _fresh()
-    src = NamedSharding(mesh([0, 1, 2, 3]), P("a"))
-    dst = NamedSharding(mesh([4, 5, 6, 7]), P(None, "a"))
+    src, dst = _rows_to_columns()
     held = weakref.WeakSet()  # every program the cache held at some point
 
     def pinned():
@@ -283,7 +288,7 @@ def test_device_packed_groups_bound_their_pieces_and_run_back_to_back(monkeypatc
     # (one program each, so that none grows with the tree), and groups of the same
     # arrays (repeated layers) compile once. Unlike the groups that bound
     # placeholders, nothing waits for one to finish before the next starts.
-    groups = _collective_device.leaf_groups
+    groups = _programs.consecutive_groups
     assert groups([0, 0, 0, 0], 6, [2, 3, 1, 4], 5) == [[0, 1], [2, 3]]
     assert groups([3, 3, 0], 6, [9, 1, 1], 5) == [[0], [1, 2]]  # over either alone
     assert groups([3, 3, 1], 6, [1, 1, 1], 5) == [[0, 1], [2]]

@@ -356,9 +356,9 @@ def test_arrays_with_no_elements(monkeypatch, executor, pack_on_host, shape):
 
 
 def test_device_packed_runs_in_groups_that_bound_placeholders(monkeypatch):
-    from reshard import _collective_device, _collective_executor
+    from reshard import _collective_device, _collective_executor, _programs
 
-    groups = _collective_device.leaf_groups
+    groups = _programs.consecutive_groups
     assert groups([3, 3, 0, 5, 1], 6) == [[0, 1, 2], [3, 4]]
     assert groups([7, 1, 9], 6) == [[0], [1], [2]]  # an array over the bound alone
     assert groups([], 6) == []

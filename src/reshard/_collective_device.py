@@ -246,29 +246,6 @@ def carrier(dtype: np.dtype) -> np.dtype:
 COPIES_PER_PROGRAM = 512
 
 
-def leaf_groups(
-    weights: Sequence[int],
-    limit: int,
-    pieces: Sequence[int] | None = None,
-    piece_limit: int | None = None,
-) -> list[list[int]]:
-    """Consecutive arrays in groups whose ``weights`` add up to at most ``limit``, and
-    their ``pieces`` to at most ``piece_limit`` (an array over either alone); one
-    program runs each group."""
-    groups: list[list[int]] = []
-    used = count = 0
-    for li, w in enumerate(weights):
-        p = 0 if pieces is None else pieces[li]
-        full = used + w > limit or (piece_limit is not None and count + p > piece_limit)
-        if not groups or (groups[-1] and full):
-            groups.append([])
-            used = count = 0
-        groups[-1].append(li)
-        used += w
-        count += p
-    return groups
-
-
 def block_inputs(
     program: CollectiveProgram, sources: Sequence[jax.Array], leaves: Sequence[int]
 ) -> list[jax.Array]:

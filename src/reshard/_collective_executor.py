@@ -306,7 +306,7 @@ class CollectiveProgram:
             pieces = [0] * len(self.leaves)
             for c in copies:
                 pieces[c[0]] += 1
-            self.groups = device_packed.leaf_groups(
+            self.groups = _programs.consecutive_groups(
                 placeholder_bytes, group_bytes, pieces, device_packed.COPIES_PER_PROGRAM
             )
             # Per group, its placeholder bytes per device; a group's wait for the

@@ -688,16 +688,8 @@ def _chunked(items: Sequence[tuple[Hashable, int, Any]]) -> list[tuple[_Static, 
         full = len(group) - len(group) % per if len(group) >= per else 0
         chunks.extend(group[k : k + per] for k in range(0, full, per))
         rest.extend(group[full:])
-    chunk: list[tuple[Hashable, int, Any]] = []
-    weight = 0
-    for item in rest:
-        if chunk and weight + item[1] > PIECES_PER_PROGRAM:
-            chunks.append(chunk)
-            chunk, weight = [], 0
-        chunk.append(item)
-        weight += item[1]
-    if chunk:
-        chunks.append(chunk)
+    packed = _programs.consecutive_groups([i[1] for i in rest], PIECES_PER_PROGRAM)
+    chunks.extend([rest[k] for k in ks] for ks in packed)
     keys: dict[tuple[Hashable, ...], _Static] = {}  # (equal keys as one object: cheap lookups)
     out = []
     for c in chunks:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 
@@ -166,3 +166,27 @@ def size() -> int:
     device executor's entries, compiled or about to be, and the host-packed schedules
     too, one each)."""
     return _programs.total
+
+
+def consecutive_groups(
+    weights: Sequence[int],
+    limit: int,
+    pieces: Sequence[int] | None = None,
+    piece_limit: int | None = None,
+) -> list[list[int]]:
+    """Indices of consecutive items (arrays, pieces) in groups whose ``weights`` add up
+    to at most ``limit``, and their ``pieces`` to at most ``piece_limit`` (an item over
+    either alone): one program runs each group (``_collective_executor.CollectiveProgram``,
+    ``_local_executor._chunked``)."""
+    groups: list[list[int]] = []
+    used = count = 0
+    for li, w in enumerate(weights):
+        p = 0 if pieces is None else pieces[li]
+        full = used + w > limit or (piece_limit is not None and count + p > piece_limit)
+        if not groups or (groups[-1] and full):
+            groups.append([])
+            used = count = 0
+        groups[-1].append(li)
+        used += w
+        count += p
+    return groups
