@@ -334,3 +334,38 @@ def test_device_packed_groups_bound_their_pieces_and_run_back_to_back(monkeypatc
     assert len(waits) == 2
     for y, truth in zip(ys, truths, strict=True):
         check_result(y, truth, dst)
+
+
+def test_a_program_failing_after_others_ran_loses_nothing(monkeypatch):
+    # Programs of one piece each: the fifth fails after four have run. Donated
+    # inputs survive intact, and the same call then succeeds.
+    monkeypatch.setattr(_local_executor, "PIECES_PER_PROGRAM", 1)
+    xs, dst, truths = _layers(3)
+    real = _local_executor.DeviceProgram.compiled
+    calls = []
+
+    def failing(self, what, desc, device_id):
+        fn = real(self, what, desc, device_id)
+
+        def run(*args):
+            calls.append(what.__name__)
+            if len(calls) == 5:
+                raise RuntimeError("injected failure")
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(_local_executor.DeviceProgram, "compiled", failing)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        reshard.reshard(xs, dst, donate=True, executor="device")
+    assert len(calls) == 5
+    src = xs[0].sharding
+    for x, truth in zip(xs, truths, strict=True):
+        assert not x.is_deleted()
+        check_result(x, truth, src)
+    monkeypatch.setattr(_local_executor.DeviceProgram, "compiled", real)
+    for y, truth in zip(
+        reshard.reshard(xs, dst, donate=True, executor="device"), truths, strict=True
+    ):
+        check_result(y, truth, dst)
+    assert all(x.is_deleted() for x in xs)
