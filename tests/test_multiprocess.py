@@ -702,6 +702,49 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         check(x, a, src)
         check(reshard.reshard(x, dst, donate=True), a, dst)  # and it can be retried
 
+    def a_transfer_guard_on_one_process_fails_in_step() -> None:
+        # jax.transfer_guard("disallow_explicit") set on one process only. Host-packed,
+        # a process that places data refuses its first chunk; it used to raise before
+        # the first stage (its filler and status were refused too), leaving its peers
+        # in the stage's collectives until the watchdog (exit 75). Now it sends filler
+        # and reports the refusal in the status, and every process raises at once, in
+        # step; a process that only receives refuses its outputs after the last stage,
+        # alone. Device-packed, the data moves by programs, which no guard counts
+        # (nor jax.device_put's): the call succeeds everywhere. Fresh and cached plans.
+        last = jax.process_count() - 1
+        cross = (ns(devs[:half], ("f",), P("f")), ns(devs[half:], ("t",), P(None, "t")))
+        within = (ns(devs, ("f",), P("f")), ns(devs, ("t",), P(None, "t")))
+        for (src, dst), guarded, fails_all in (
+            (cross, 0, True),  # process 0 sends
+            (cross, last, False),  # the last process only receives
+            (within, 0, True),  # process 0 sends and receives
+        ):
+            x = make(a, src)
+            for cached in (False, True):
+                if cached:
+                    check(reshard.reshard(x, dst), a, dst)
+                try:
+                    with jax.transfer_guard("disallow_explicit" if me == guarded else "allow"):
+                        y = reshard.reshard(x, dst, donate=True)
+                    expect(
+                        not _collective_executor.PACK_ON_HOST or (me != guarded and not fails_all),
+                        f"process {me} did not raise (guarded: {guarded})",
+                    )
+                    check(y, a, dst)
+                    x = make(a, src)  # (donated)
+                except jax.errors.JaxRuntimeError as e:
+                    expect(me == guarded and "Disallowed host-to-device" in str(e), str(e))
+                    notes = "\n".join(getattr(e, "__notes__", []))
+                    expect("a transfer guard refused" in notes, notes)
+                    expect(("every other process raises too" in notes) == fails_all, notes)
+                except RuntimeError as e:
+                    expect(me != guarded and fails_all, str(e))
+                    expect(f"reshard failed on process(es) [{guarded}]" in str(e), str(e))
+                    expect("Disallowed host-to-device" in str(e), str(e))
+                expect(not x.is_deleted(), "a failed call consumed its input")
+                check(x, a, src)
+                check(reshard.reshard(x, dst), a, dst)  # every process still in step
+
     def agreement_leaves_avoided_devices_out() -> None:
         # Recovering from lost devices: the check that every process built the same
         # plan ran an all-gather over every device, lost ones included (on real
@@ -1583,6 +1626,7 @@ def _scenarios() -> dict[str, Callable[[], None]]:
             donation_frees_sources_after_success,
             donation_keeps_what_outputs_hold,
             failure_leaves_inputs_intact,
+            a_transfer_guard_on_one_process_fails_in_step,
             agreement_leaves_avoided_devices_out,
             different_lost_devices_raise_on_every_process,
             a_device_failing_mid_move_is_marked_lost_on_every_process,
@@ -2040,6 +2084,7 @@ SCENARIOS = [
     "donation_frees_sources_after_success",
     "donation_keeps_what_outputs_hold",
     "failure_leaves_inputs_intact",
+    "a_transfer_guard_on_one_process_fails_in_step",
     "agreement_leaves_avoided_devices_out",
     "different_lost_devices_raise_on_every_process",
     "a_device_failing_mid_move_is_marked_lost_on_every_process",

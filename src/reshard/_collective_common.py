@@ -346,13 +346,14 @@ def status_input(program: Any, failed: bool) -> jax.Array:
     rows[0][count + me] = int.from_bytes(
         program.fingerprint[:4].ljust(4, b"\0"), "little", signed=True
     )
-    return _compat.assemble(
-        (len(program.devices) * status_width(),),
-        np.dtype(np.int32),
-        program.block_sharding,
-        rows,
-        program.local_devices,
-    )
+    with _compat.bookkeeping():
+        return _compat.assemble(
+            (len(program.devices) * status_width(),),
+            np.dtype(np.int32),
+            program.block_sharding,
+            rows,
+            program.local_devices,
+        )
 
 
 def check_status(status: jax.Array | None, when: str) -> None:
@@ -401,7 +402,8 @@ def _status_rows(status: jax.Array) -> tuple[np.ndarray, np.ndarray]:
     # device-to-host transfer, implicit for np.asarray (refused under
     # jax.transfer_guard('disallow')), explicit for device_get. (On CPU np.asarray is a
     # zero-copy view, which no guard sees.)
-    everyone = np.asarray(jax.device_get(status.addressable_shards[0].data))
+    with _compat.bookkeeping():
+        everyone = np.asarray(jax.device_get(status.addressable_shards[0].data))
     count = len(everyone) // 2
     return everyone[:count], everyone[count:]
 

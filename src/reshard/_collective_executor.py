@@ -688,10 +688,11 @@ def _gather(mine: np.ndarray, devices: Sequence[Any]) -> np.ndarray:
     fn = _programs.shared(
         ("agree", tuple(d.id for d in devices), mine.shape, str(mine.dtype)), build
     )
-    x = jax.make_array_from_single_device_arrays(
-        (len(devices) * mine.size,), sharding, [jax.device_put(mine.ravel(), local)]
-    )
-    return np.asarray(jax.device_get(fn(x).addressable_shards[0].data))  # (see check_status)
+    with _compat.bookkeeping():
+        x = jax.make_array_from_single_device_arrays(
+            (len(devices) * mine.size,), sharding, [jax.device_put(mine.ravel(), local)]
+        )
+        return np.asarray(jax.device_get(fn(x).addressable_shards[0].data))  # (see check_status)
 
 
 def _platform(shardings: Sequence[jax.sharding.Sharding]) -> str | None:

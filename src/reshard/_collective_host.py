@@ -920,7 +920,9 @@ def _filler_stage(program: CollectiveProgram, s: int) -> list[jax.Array]:
         sched: HostSchedule = program.host
         ids = sched.stages[s]
         row = [sched.idle[: sched.chunks[ci].nbytes] for ci in ids]
-        made = program.fillers[s] = _stage_arrays(program, ids, [row] * len(program.local_devices))
+        with _compat.bookkeeping():  # (sent by a process failing under a transfer guard too)
+            made = _stage_arrays(program, ids, [row] * len(program.local_devices))
+        program.fillers[s] = made
     return list(made)
 
 

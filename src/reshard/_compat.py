@@ -115,6 +115,19 @@ def moving_bytes() -> Iterator[None]:
         yield
 
 
+def bookkeeping() -> contextlib.AbstractContextManager[Any]:
+    """A context for the collective protocol's own few bytes, put on devices or read back
+    whatever ``jax.transfer_guard`` the caller set: the status every process sums, the
+    filler a process sends where it has no data, and the all-gather of the checks.
+
+    None of them is the caller's data, and each process must be able to send them for
+    the others not to wait for it: a guard set on only some processes refuses their
+    first transfer of data, and they then report that failure in step, through these
+    (``_collective_host.run_host_packed``), instead of leaving their peers in a
+    collective until the watchdog."""
+    return jax.transfer_guard("allow")
+
+
 # The types a program traced with jax_enable_x64 off cannot take whole.
 _WIDE = frozenset(np.dtype(n) for n in ("int64", "uint64", "float64", "complex128"))
 
