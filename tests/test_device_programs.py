@@ -369,3 +369,38 @@ def test_a_program_failing_after_others_ran_loses_nothing(monkeypatch):
     ):
         check_result(y, truth, dst)
     assert all(x.is_deleted() for x in xs)
+
+
+def test_weak_and_strong_arrays_of_one_geometry_share_each_program(monkeypatch):
+    # jax.jit compiles anew for an argument that differs only by its weak type (an
+    # array made from a Python scalar, a step count say), and the cache counted the
+    # two executables as one program. Now each program is compiled once, for strong
+    # types: a weak array's relayout, and its copies of the shards that stay on their
+    # device, compile nothing more. The outputs keep the input's weak type, as
+    # jax.device_put's do, and every bit.
+    _fresh()
+    src, dst = _rows_to_columns()
+    stays = NamedSharding(mesh([0, 1, 3, 2]), P("a"))  # two shards stay where they are
+    copied = []
+    real = _local_executor.copies_in_place
+    monkeypatch.setattr(
+        _local_executor, "copies_in_place", lambda xs: copied.append(len(xs)) or real(xs)
+    )
+    truth = np.arange(64 * 16, dtype=np.float32).reshape(64, 16) - 100.5
+    strong = place(truth, src)
+    weak = jax.jit(lambda: jax.numpy.full(truth.shape, 1.0), out_shardings=src)()
+    assert weak.aval.weak_type and not strong.aval.weak_type
+    for target in (dst, stays):
+        compiled = _compiles(
+            lambda t=target: check_result(reshard.reshard(strong, t, executor="device"), truth, t)
+        )
+        assert compiled > 0
+        before, out = _programs.size(), []
+        assert (
+            _compiles(lambda t=target, o=out: o.append(reshard.reshard(weak, t, executor="device")))
+            == 0
+        )
+        check_result(out[0], np.ones_like(truth), target)
+        assert out[0].aval.weak_type and jax.device_put(weak, target).aval.weak_type
+        assert _programs.size() == before
+    assert copied == [2, 2]  # (the second target's staying shards, each call)

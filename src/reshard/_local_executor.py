@@ -403,7 +403,7 @@ def copies_in_place(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     for device, idx in by_device.items():
         xs = [arrays[i] for i in idx]
         key = ("copies", device.id, tuple((x.shape, str(x.dtype)) for x in xs))
-        fn = _programs.shared(key, lambda: jax.jit(_copies))
+        fn = _programs.shared(key, lambda: _programs.OneExecutable(_copies))
         for i, c in zip(idx, fn(*xs), strict=True):
             out[i] = c
     for i, c in zip(rest, _compat.fresh_copies([arrays[i] for i in rest]), strict=True):
@@ -588,7 +588,9 @@ class DeviceProgram:
             # shared while anything holds it.
             fn = _live_programs.get(key)
             if fn is None:
-                fn = _live_programs.setdefault(key, jax.jit(functools.partial(what, desc)))
+                fn = _live_programs.setdefault(
+                    key, _programs.OneExecutable(functools.partial(what, desc))
+                )
             self._fns[key] = fn
             _programs.grown(self._key, self._fns)
         return fn

@@ -43,6 +43,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import jax
+
 
 class _Store(OrderedDict[Hashable, Any]):
     """Entries by key, least recently used out: at most a count of them and, where
@@ -126,6 +128,37 @@ _programs = _Store(lambda v: len(v) if isinstance(v, Programs) else 1)
 class Programs(dict[Hashable, Any]):
     """One entry holding several jitted programs (the device executor's of one plan,
     by what each does), weighed as many; ``grown`` after adding to it."""
+
+
+class OneExecutable:
+    """``jax.jit(fn)``, compiled at its first call for the types and shardings of that
+    call's arguments, weak types made strong, and then called with any arguments of
+    those types and shardings, weak or not: one executable, as the cache weighs it.
+
+    ``jax.jit`` compiles anew for an argument that differs only by being weakly typed
+    (an array made from a Python scalar, such as a training step count), so a weak
+    and a strong array of one geometry took two executables of one key: twice the
+    compilations (16 more for a 64x64 relayout over 8 devices), one counted.
+
+    Programs of sub-byte types (int4, float4) stay with ``jax.jit``'s own call: the
+    compiled object's stricter check refuses their buffers' layout on CPU (jax
+    0.10), which jit's call accepts (as ``_compat.donating_identity`` found)."""
+
+    __slots__ = ("__weakref__", "_compiled", "_jitted")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._jitted = jax.jit(fn)
+        self._compiled: Any = None
+
+    def __call__(self, *args: Any) -> Any:
+        compiled = self._compiled
+        if compiled is None:
+            if any(jax.dtypes.itemsize_bits(a.dtype) < 8 for a in args):
+                compiled = self._compiled = self._jitted
+            else:
+                avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in args]
+                compiled = self._compiled = self._jitted.lower(*avals).compile()
+        return compiled(*args)
 
 
 def shared(key: Hashable, build: Callable[[], Any]) -> Any:
