@@ -744,6 +744,32 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 expect(not x.is_deleted(), "a failed call consumed its input")
                 check(x, a, src)
                 check(reshard.reshard(x, dst), a, dst)  # every process still in step
+        # With host values put on every process beside the array: they were checked by
+        # an all-gather after the transfers, which a guarded receiver, refusing its
+        # outputs after the last stage, never joined (its peers waited for it until the
+        # watchdog). They are now checked before any data moves. And a Python scalar
+        # alone: its type was found by a transfer, refused before the check.
+        src, dst = cross
+        everywhere = ns(devs, ("e",), P())
+        host = np.arange(8, dtype=np.float32)
+        for tree, shardings, guarded in (
+            ({"w": make(a, src), "h": host}, {"w": dst, "h": everywhere}, last),
+            ({"s": 3}, {"s": everywhere}, 0),
+        ):
+            try:
+                with jax.transfer_guard("disallow_explicit" if me == guarded else "allow"):
+                    out = reshard.reshard(tree, shardings)
+                expect(me != guarded, f"process {me} did not raise (guarded: {guarded})")
+                if "h" in out:
+                    check(out["w"], a, dst)
+                    check(out["h"], host, everywhere)
+                else:
+                    check(out["s"], np.asarray(3, np.int32), everywhere)
+            except jax.errors.JaxRuntimeError as e:
+                expect(me == guarded and "Disallowed host-to-device" in str(e), str(e))
+        check(
+            reshard.reshard({"s": 3}, {"s": everywhere})["s"], np.asarray(3, np.int32), everywhere
+        )
 
     def agreement_leaves_avoided_devices_out() -> None:
         # Recovering from lost devices: the check that every process built the same
@@ -1029,6 +1055,27 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                     assert "(ValueError: " in str(e) and why in str(e), e
         finally:
             _collective_executor.AGREE_WAIT_S = wait
+        # A call of host values alone (no array, so no plan to check): process 1's
+        # refusal is read where the values are compared, before any data moves; it
+        # used to leave the others in an all-gather until the watchdog. The same for a
+        # Python int that process 1 alone cannot type (x64 off there only).
+        every = ns(devs, ("e",), P())
+        host = np.arange(8, dtype=np.float32)
+        for tree, shardings, x64, why in (
+            ({"h": host}, {"h": P() if me == 1 else every}, False, "Wrap a PartitionSpec"),
+            ({"i": 2**40}, {"i": every}, me != 1, "too large to convert to int32"),
+        ):
+            try:
+                with jax.enable_x64(x64):
+                    reshard.reshard(tree, shardings)
+                raise AssertionError("a call refused on process 1 did not raise")
+            except (ValueError, OverflowError) as e:
+                assert me == 1 and why in str(e), e
+            except RuntimeError as e:
+                assert me != 1, e
+                assert "process 1 refused this call before moving any data" in str(e), e
+                assert why in str(e), e
+        check(reshard.reshard({"h": host}, {"h": every})["h"], host, every)
         # A recovery onto a mesh of process 1's own devices, refused there alone, is a
         # call within one process: neither counted nor reported, so all stay in step.
         if me == 1:

@@ -570,6 +570,9 @@ def fingerprint(what: Any) -> bytes:
 
 
 _AGREE_KEY = "reshard/agree"
+# Where the digests of host values put on every process are compared, at every call
+# that has such values (``values_everywhere``), before any data moves.
+_VALUES_KEY = "reshard/values"
 _REFUSED = "!"  # marks a refusal posted where the check would be (digests are hex)
 # How long a check waits for its peers, as XLA's CPU collectives wait for theirs (the
 # all-gather the check once was gave up after 30 minutes).
@@ -579,19 +582,20 @@ AGREE_WAIT_S = 1800.0
 WAIT_STEP_MS = 1000
 
 
-def _key(call: int, process: int) -> str:
-    """Where ``process`` posts its check (or refusal) of its ``call``-th call."""
-    return f"{_AGREE_KEY}/{call}/{process}"
+def _key(call: int, process: int, space: str = _AGREE_KEY) -> str:
+    """Where ``process`` posts its check (or refusal) of its ``call``-th call: the
+    check of a plan's first run, or (``space`` ``_VALUES_KEY``) of its host values."""
+    return f"{space}/{call}/{process}"
 
 
-def _post(client: Any, value: str) -> None:
+def _post(client: Any, value: str, space: str = _AGREE_KEY) -> None:
     """Posts ``value`` as this process's part of the current call's check, keyed by the
     count of calls started, the same on every process for the same call. Keyed by call,
     not by check, so a refusal (a call that never reaches its check) pairs with the
     others' check of that very call. Every process's previous post is no longer read
     once this one is made; this process's own are deleted when every process is known
     to have gone on (``_collective_common.forget_earlier_posts``)."""
-    _collective_common.post(client, _key(calls_started(), jax.process_index()), value)
+    _collective_common.post(client, _key(calls_started(), jax.process_index(), space), value)
 
 
 def refuse_call(error: BaseException) -> None:
@@ -608,23 +612,29 @@ def refuse_call(error: BaseException) -> None:
     Never raises: the caller's own error is what matters."""
     if jax.process_count() == 1:
         return
-    if _collective_common.posted_in_this_call(_key(calls_started(), jax.process_index())):
-        return
-    with contextlib.suppress(Exception):
-        client = _compat.distributed_client()
-        if client is not None:
-            what = f"{type(error).__name__}: {error}"
-            _post(client, _REFUSED + (what if len(what) <= 2000 else what[:2000] + " ..."))
+    # Both checks a peer may be waiting in: the plan's, and the host values'.
+    for space in (_AGREE_KEY, _VALUES_KEY):
+        if _collective_common.posted_in_this_call(
+            _key(calls_started(), jax.process_index(), space)
+        ):
+            continue
+        with contextlib.suppress(Exception):
+            client = _compat.distributed_client()
+            if client is not None:
+                what = f"{type(error).__name__}: {error}"
+                value = _REFUSED + (what if len(what) <= 2000 else what[:2000] + " ...")
+                _post(client, value, space)
 
 
-def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
+def _exchange(client: Any, digest: bytes, space: str = _AGREE_KEY) -> dict[int, bytes]:
     """Every process's digest for this check, through the coordination service's
     key-value store, keyed by the count of calls started (every process checks a plan
-    that crosses processes the first time it runs, in the same call). Waits for each up
-    to ``AGREE_WAIT_S``; ``RESHARD_COLLECTIVE_TIMEOUT_S``'s watchdog bounds it sooner,
-    as it does the collectives. A peer that refused this call (``refuse_call``) makes
-    this process raise at once."""
-    _post(client, digest.hex())
+    that crosses processes the first time it runs, in the same call; and the host
+    values put on every process at every call, in ``space`` ``_VALUES_KEY``). Waits
+    for each up to ``AGREE_WAIT_S``; ``RESHARD_COLLECTIVE_TIMEOUT_S``'s watchdog bounds
+    it sooner, as it does the collectives. A peer that refused this call
+    (``refuse_call``) makes this process raise at once."""
+    _post(client, digest.hex(), space)
     me, call = jax.process_index(), calls_started()
     everyone = {me: digest}
     deadline = time.monotonic() + AGREE_WAIT_S
@@ -633,14 +643,21 @@ def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 missing = [q for q in range(jax.process_count()) if q not in everyone]
+                what = (
+                    "the plan of this call with the others (the first run of a plan that "
+                    "crosses processes)"
+                    if space == _AGREE_KEY
+                    else "the values this call puts on devices of every process"
+                )
                 raise RuntimeError(
                     f"reshard: waited {AGREE_WAIT_S:g} s for processes {missing} to check "
-                    "the plan of this call with the others (the first run of a plan that "
-                    "crosses processes): they skipped the call, or are out of step; set "
+                    f"{what}: they skipped the call, or are out of step; set "
                     "RESHARD_COLLECTIVE_TIMEOUT_S to bound such waits sooner"
                 )
             try:
-                got = client.blocking_key_value_get(_key(call, p), min(left_ms, WAIT_STEP_MS))
+                got = client.blocking_key_value_get(
+                    _key(call, p, space), min(left_ms, WAIT_STEP_MS)
+                )
             except Exception as e:  # the store's timeout, or the service's failure
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise
@@ -656,6 +673,23 @@ def _exchange(client: Any, digest: bytes) -> dict[int, bytes]:
     # process's earlier posts: those keys are no longer read.
     _collective_common.forget_earlier_posts()
     return everyone
+
+
+def values_everywhere(digest: bytes, devices: Iterable[Any]) -> dict[int, bytes]:
+    """Every process's ``digest`` of the host values of this call put on devices of
+    every process (``_execute.check_host_values``): through the key-value store (where
+    a peer's refusal of the call is read too), else one small all-gather over one of
+    ``devices`` per process."""
+    # (A process that skipped this call leaves the others waiting for it: the watchdog
+    # of RESHARD_COLLECTIVE_TIMEOUT_S bounds that, as for the transfers.)
+    with watchdog(collective_timeout_s()):
+        client = _compat.distributed_client()
+        if client is not None:
+            return _exchange(client, digest, _VALUES_KEY)
+        reps = one_per_process(devices)
+        rows = _gather(np.frombuffer(digest, np.uint32), [reps[p] for p in sorted(reps)])
+    rows = rows.reshape(len(reps), -1)
+    return {p: row.tobytes() for p, row in zip(sorted(reps), rows, strict=True)}
 
 
 def one_per_process(devices: Iterable[Any]) -> dict[int, Any]:

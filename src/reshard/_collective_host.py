@@ -536,7 +536,8 @@ class HostSchedule:
         self.unpack_tables: list[StageTakes] | None = None
         self.local_tables: list[LocalTables] | None = None
         # Stands in for the chunk of a device that sends nothing in it: never written,
-        # never read, so its pages are never touched.
+        # so its pages are never touched. (Sent only by a failing process, in place of
+        # its data: whatever the memory held then reaches peers that discard it.)
         self.idle = _compat.aligned_empty(
             (max((ch.nbytes for ch in self.chunks), default=1),), np.dtype(np.uint8)
         )

@@ -205,7 +205,7 @@ def execute_plan(
         )
 
     # Across processes, an interrupt is held until every collective of the call is
-    # done (the programs, and the check of host values after them): raised there,
+    # done (the check of host values before them, and the programs): raised there,
     # before any input is donated (``interrupts_held``). Another thread of this
     # process may donate (delete) these inputs only while this one reads none of
     # their buffers (``_sharing.readers``).
@@ -226,6 +226,13 @@ def execute_plan(
     ):
         if readers.deletions != deletions:  # some were donated meanwhile: still here?
             _check_not_deleted(plan, values)
+        # Host values put on devices of every process are checked first, before any
+        # data moves (``check_host_values``).
+        host = [i for i, leaf in enumerate(plan.leaves) if leaf.kind == HOST]
+        forms: dict[int, HostForm] = {}
+        if host:
+            with jax.enable_x64(x64):
+                forms = check_host_values([plan.leaves[i] for i in host], [values[i] for i in host])
         planned = [(i, leaf) for i, leaf in enumerate(plan.leaves) if leaf.kind != HOST]
         sources = [
             jax.random.key_data(values[i]) if leaf.kind == KEY else values[i] for i, leaf in planned
@@ -405,10 +412,9 @@ def execute_plan(
                 aval = _compat.device_put_aval(leaf.shape, leaf.dtype, leaf.dst_sharding, i in weak)
                 arr = _compat.finish(arr, aval, fresh=arr is not values[i])
             out[i] = arr
-        host = [i for i, leaf in enumerate(plan.leaves) if leaf.kind == HOST]
-        # jax.Arrays among them (key arrays on shardings that are neither named nor
-        # single-device) are donated below, after the copies; when donating, no copy
-        # may share their buffers.
+        # jax.Arrays among the host leaves (key arrays on shardings that are neither
+        # named nor single-device) are donated below, after the copies; when donating,
+        # no copy may share their buffers.
         given = [i for i in host if isinstance(values[i], jax.Array)] if donate else []
         if host:
             with jax.enable_x64(x64):
@@ -417,6 +423,7 @@ def execute_plan(
                     [values[i] for i in host],
                     # (None would return an unchanged one itself: a copy, as every array.)
                     may_alias=bool(may_alias is True and not given),
+                    forms=forms,
                 )
             for i, arr in zip(host, placed, strict=True):
                 out[i] = arr
@@ -621,8 +628,38 @@ def aliases(
     return out
 
 
+HostForm = tuple[np.ndarray, bool, Any]
+
+
+def check_host_values(leaves: Sequence[LeafInfo], values: Sequence[Any]) -> dict[int, HostForm]:
+    """The host forms (``_host_form``) of the host leaves' values that
+    ``put_host_values`` puts from this process's copy (by index), once checked: those
+    put on devices of every process must be equal on every process.
+
+    Made before any data of the call moves, so that no process is left waiting in a
+    check that a peer, failing after the transfers, never joins; and through the
+    key-value store, where a peer that refused the call (bad input there, a value it
+    cannot type: a Python int over int32 with x64 off on it alone) says so, so that no
+    process waits for it either.
+
+    Raises:
+      ValueError: on every process, naming the leaves whose values differ between
+        processes.
+      RuntimeError: a peer refused this call.
+    """
+    shardings = [leaf.dst_sharding for leaf in leaves]
+    elsewhere = set(_held_elsewhere(leaves, values))
+    ours = [i for i in _put_from_host(values, shardings) if i not in elsewhere]
+    forms = {i: _host_form(values[i]) for i in ours}
+    # Those put on devices of every process.
+    checked = [i for i in ours if len(processes_of(shardings[i])) == jax.process_count()]
+    if checked:
+        _check_equal_across_processes([leaves[i] for i in checked], [forms[i] for i in checked])
+    return forms
+
+
 def put_host_values(
-    leaves: Sequence[LeafInfo], values: Sequence[Any], may_alias: bool
+    leaves: Sequence[LeafInfo], values: Sequence[Any], may_alias: bool, forms: dict[int, HostForm]
 ) -> list[jax.Array]:
     """``jax.device_put`` of the host leaves' values (numpy arrays, Python scalars, key
     arrays on shardings other than named ones, and across processes uncommitted
@@ -633,24 +670,19 @@ def put_host_values(
     here (``jax.device_put`` refuses a sharding of no device of this process). Values
     other than committed arrays are put from this process's copy of them where their
     destination is not on this process's devices alone, with
-    the type, weak type and abstract value ``jax.device_put`` gives them. There
-    ``jax.device_put`` refuses uncommitted key arrays, and fails on some processes for
-    an uncommitted array put on devices of some processes (jax 0.10: "must have one
-    shard each"). For a value put on devices of every process it first checks that
-    every process passes the same value: it all-gathers the whole value over every
-    device, laid out as processes x local devices. That moves the value to every
-    device once per process, involves devices the plan avoids, and fails where
-    processes hold different numbers of devices (jax 0.10: "cannot reshape array").
-    Such values are checked here instead, a 16-byte digest each, gathered over one
-    destination device per process.
-
-    Raises:
-      ValueError: on every process, naming the leaves whose values differ between
-        processes.
-    """
+    the type, weak type and abstract value ``jax.device_put`` gives them (``forms``,
+    checked by ``check_host_values``). There ``jax.device_put`` refuses uncommitted
+    key arrays, and fails on some processes for an uncommitted array put on devices of
+    some processes (jax 0.10: "must have one shard each"). For a value put on devices
+    of every process it first checks that every process passes the same value: it
+    all-gathers the whole value over every device, laid out as processes x local
+    devices. That moves the value to every device once per process, involves devices
+    the plan avoids, and fails where processes hold different numbers of devices (jax
+    0.10: "cannot reshape array"). Such values are checked by ``check_host_values``
+    instead, a 16-byte digest each, compared before the call moves any data."""
     shardings = [leaf.dst_sharding for leaf in leaves]
     elsewhere = _held_elsewhere(leaves, values)
-    ours = [i for i in _put_from_host(values, shardings) if i not in elsewhere]
+    ours = sorted(forms)
     if not ours and not elsewhere:
         return list(jax.device_put(list(values), shardings, may_alias=may_alias))
     out: list[Any] = [None] * len(values)
@@ -664,11 +696,6 @@ def put_host_values(
         )
         for i, arr in zip(rest, placed, strict=True):
             out[i] = arr
-    forms = {i: _host_form(values[i]) for i in ours}
-    # Those put on devices of every process.
-    checked = [i for i in ours if len(processes_of(shardings[i])) == jax.process_count()]
-    if checked:
-        _check_equal_across_processes([leaves[i] for i in checked], [forms[i] for i in checked])
     for i, (host, weak, impl) in forms.items():
         s = leaves[i].data_dst_sharding if impl is not None else shardings[i]
         assert s is not None  # set for every uncommitted key array by the API layer
@@ -718,16 +745,13 @@ def _check_equal_across_processes(
     )
     from . import _collective_executor as collective
 
-    # One destination device per process (every process has one: each checked value
-    # is put on devices of every process).
-    reps = collective.one_per_process({d for leaf in leaves for d in leaf.dst_sharding.device_set})
-
-    # (A process that skipped this call leaves the others waiting in the gather: the
-    # watchdog of RESHARD_COLLECTIVE_TIMEOUT_S bounds that, as for the transfers.)
-    with collective.watchdog(collective.collective_timeout_s()):
-        rows = collective._gather(
-            np.frombuffer(digests, np.uint32), [reps[p] for p in sorted(reps)]
-        ).reshape(len(reps), len(leaves), -1)
+    # (Without the key-value store, over one destination device per process: every
+    # process has one, each checked value being put on devices of every process.)
+    everyone = collective.values_everywhere(
+        digests, {d for leaf in leaves for d in leaf.dst_sharding.device_set}
+    )
+    rows = np.stack([np.frombuffer(d, np.uint8) for _, d in sorted(everyone.items())])
+    rows = rows.reshape(len(everyone), len(leaves), -1)
     differ = [leaf for k, leaf in enumerate(leaves) if not (rows[:, k] == rows[0, k]).all()]
     if differ:
         where = ", ".join(leaf.path or "<root>" for leaf in differ)
@@ -749,8 +773,10 @@ def _host_form(v: Any) -> tuple[np.ndarray, bool, Any]:
         return np.asarray(v), bool(v.weak_type), None
     if isinstance(v, np.ndarray | np.generic):
         return np.asarray(v, dtype=jax.dtypes.canonicalize_dtype(v.dtype)), False, None
-    x = jax.device_put(v)  # a Python scalar: JAX's own weak typing
-    return np.asarray(x), bool(x.weak_type), None
+    # A Python scalar: JAX's own type and weak typing, without a transfer (which a
+    # transfer guard of this process would refuse before it could tell its peers).
+    aval = jax.typeof(v)
+    return np.asarray(v, dtype=aval.dtype), bool(aval.weak_type), None
 
 
 def _put_from_host(values: Sequence[Any], shardings: Sequence[Sharding]) -> list[int]:
