@@ -1525,6 +1525,15 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 raise AssertionError("no error for values that differ between processes")
             except ValueError as e:
                 assert "leaf ['v']: the value to be put on devices of every process" in str(e)
+                assert "the type it takes differs" not in str(e), e
+        # The same bytes typed differently (x64 on process 0 only): the error says so.
+        try:
+            with jax.enable_x64(me == 0):
+                reshard.reshard({"v": np.arange(4.0)}, {"v": dst["py"]})
+            raise AssertionError("no error for values typed differently across processes")
+        except ValueError as e:
+            assert "the type it takes differs between processes, here ['v']: " in str(e), e
+            assert f"float{64 if me == 0 else 32}[4]" in str(e) and "jax_enable_x64" in str(e), e
         move(b, ns(devs[:1], ("a",), P()), ns(devs[::-1], ("a",), P(None, "a")))
 
     def random_cases() -> None:

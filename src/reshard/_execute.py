@@ -736,12 +736,12 @@ def _check_equal_across_processes(
     leaves: Sequence[LeafInfo], forms: Sequence[tuple[np.ndarray, bool, Any]]
 ) -> None:
     """Raises ``ValueError`` on every process if any of these values, each put on
-    devices of every process, differs between processes: compares a digest of each."""
+    devices of every process, differs between processes: compares a digest of each, in
+    two halves: its type (shape, dtype, weak type, key implementation) and its bytes."""
+    types = [repr((h.shape, str(h.dtype), weak, str(impl))).encode() for h, weak, impl in forms]
     digests = b"".join(
-        hashlib.sha256(
-            repr((h.shape, str(h.dtype), weak, str(impl))).encode() + h.tobytes()
-        ).digest()[:16]
-        for h, weak, impl in forms
+        hashlib.sha256(t).digest()[:8] + hashlib.sha256(t + h.tobytes()).digest()[:8]
+        for t, (h, _, _) in zip(types, forms, strict=True)
     )
     from . import _collective_executor as collective
 
@@ -752,13 +752,27 @@ def _check_equal_across_processes(
     )
     rows = np.stack([np.frombuffer(d, np.uint8) for _, d in sorted(everyone.items())])
     rows = rows.reshape(len(everyone), len(leaves), -1)
-    differ = [leaf for k, leaf in enumerate(leaves) if not (rows[:, k] == rows[0, k]).all()]
+    differ = [k for k in range(len(leaves)) if not (rows[:, k] == rows[0, k]).all()]
     if differ:
-        where = ", ".join(leaf.path or "<root>" for leaf in differ)
+        where = ", ".join(leaves[k].path or "<root>" for k in differ)
+        # A type that differs: the same value typed by different settings (a float64
+        # array, a Python int, with jax_enable_x64 on some processes only), say.
+        typed = [k for k in differ if not (rows[:, k, :8] == rows[0, k, :8]).all()]
+        why = ""
+        if typed:
+            here = "; ".join(
+                f"{leaves[k].path or '<root>'}: {forms[k][0].dtype}{list(forms[k][0].shape)}"
+                f"{', weakly typed' if forms[k][1] else ''}"
+                for k in typed
+            )
+            why = (
+                f" (the type it takes differs between processes, here {here}: is "
+                "jax_enable_x64 set alike on every process?)"
+            )
         raise ValueError(
             f"{'leaf' if len(differ) == 1 else 'leaves'} {where}: the value to be put on "
-            "devices of every process differs between processes; every process must pass "
-            "the same value"
+            f"devices of every process differs between processes{why}; every process must "
+            "pass the same value"
         )
 
 
