@@ -929,6 +929,33 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         check(y, a, on_device)
         offloaded = ns(devs, ("f",), P("f"), "pinned_host")
         check(reshard.reshard(y, offloaded), a, offloaded)
+        # A leaf that is a host value on process 0 and an array on the others, beside
+        # an array that crosses processes (a review found it waiting for the watchdog
+        # while the host values were compared before the transfers: process 0 waited
+        # there, the others in the plan's check); and host values put on devices of
+        # every process on process 0 only, on the others on their own devices.
+        host = np.arange(8, dtype=np.float32)
+        every = ns(devs, ("e",), P())
+        mine = ns(np.array(jax.local_devices()), ("l",), P())
+        for tree, dst, why in (
+            (
+                {"w": x, "h": host if me == 0 else make(host, every)},
+                {"w": same, "h": every},
+                "different plans",
+            ),
+            (
+                {"w": x, "h": host, "g": host},
+                {"w": same, "h": every, "g": every if me == 0 else mine},
+                "different numbers of host values",
+            ),
+        ):
+            try:
+                reshard.reshard(tree, dst)
+                raise AssertionError("different arguments did not raise")
+            except ValueError as e:
+                assert "different arguments on different processes" in str(e), e
+                assert why in str(e), e
+        check(reshard.reshard({"w": x, "h": host}, {"w": same, "h": every})["h"], host, every)
 
     def calls_in_another_order_raise_on_every_process() -> None:
         # Two plans, each checked across processes on its first run, then called in

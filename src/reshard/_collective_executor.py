@@ -635,6 +635,12 @@ def _exchange(client: Any, digest: bytes, space: str = _AGREE_KEY) -> dict[int, 
     it sooner, as it does the collectives. A peer that refused this call
     (``refuse_call``) makes this process raise at once."""
     _post(client, digest.hex(), space)
+    return _read(client, digest, space)
+
+
+def _read(client: Any, digest: bytes, space: str) -> dict[int, bytes]:
+    """The rest of ``_exchange``, once this process posted ``digest``: every other
+    process's, waited for."""
     me, call = jax.process_index(), calls_started()
     everyone = {me: digest}
     deadline = time.monotonic() + AGREE_WAIT_S
@@ -675,21 +681,34 @@ def _exchange(client: Any, digest: bytes, space: str = _AGREE_KEY) -> dict[int, 
     return everyone
 
 
-def values_everywhere(digest: bytes, devices: Iterable[Any]) -> dict[int, bytes]:
-    """Every process's ``digest`` of the host values of this call put on devices of
-    every process (``_execute.check_host_values``): through the key-value store (where
-    a peer's refusal of the call is read too), else one small all-gather over one of
-    ``devices`` per process."""
-    # (A process that skipped this call leaves the others waiting for it: the watchdog
-    # of RESHARD_COLLECTIVE_TIMEOUT_S bounds that, as for the transfers.)
-    with watchdog(collective_timeout_s()):
-        client = _compat.distributed_client()
-        if client is not None:
-            return _exchange(client, digest, _VALUES_KEY)
-        reps = one_per_process(devices)
-        rows = _gather(np.frombuffer(digest, np.uint32), [reps[p] for p in sorted(reps)])
-    rows = rows.reshape(len(reps), -1)
-    return {p: row.tobytes() for p, row in zip(sorted(reps), rows, strict=True)}
+def values_everywhere(digest: bytes, devices: Iterable[Any]) -> Callable[[], dict[int, bytes]]:
+    """Posts this process's ``digest`` of the host values of this call put on devices
+    of every process (``_execute.post_host_values``), and returns the function that
+    reads every process's: through the key-value store, where a peer's refusal of the
+    call is read too, else (without a store) one small all-gather over one of
+    ``devices`` per process, made when read.
+
+    Posted before the call's transfers and read after them: a process that fails after
+    its transfers has posted already, so its peers do not wait for it; one that
+    refused the call posts its refusal there; and one that is out of step meets its
+    peers' earlier call in the transfers, where the status says so, before anyone
+    waits here."""
+    client = _compat.distributed_client()
+    if client is not None:
+        _post(client, digest.hex(), _VALUES_KEY)
+
+    def read() -> dict[int, bytes]:
+        # (A process that skipped this call leaves the others waiting for it: the
+        # watchdog of RESHARD_COLLECTIVE_TIMEOUT_S bounds that, as for the transfers.)
+        with watchdog(collective_timeout_s()):
+            if client is not None:
+                return _read(client, digest, _VALUES_KEY)
+            reps = one_per_process(devices)
+            rows = _gather(np.frombuffer(digest, np.uint32), [reps[p] for p in sorted(reps)])
+        rows = rows.reshape(len(reps), -1)
+        return {p: row.tobytes() for p, row in zip(sorted(reps), rows, strict=True)}
+
+    return read
 
 
 def one_per_process(devices: Iterable[Any]) -> dict[int, Any]:

@@ -205,7 +205,7 @@ def execute_plan(
         )
 
     # Across processes, an interrupt is held until every collective of the call is
-    # done (the check of host values before them, and the programs): raised there,
+    # done (the programs, and the check of host values after them): raised there,
     # before any input is donated (``interrupts_held``). Another thread of this
     # process may donate (delete) these inputs only while this one reads none of
     # their buffers (``_sharing.readers``).
@@ -226,13 +226,16 @@ def execute_plan(
     ):
         if readers.deletions != deletions:  # some were donated meanwhile: still here?
             _check_not_deleted(plan, values)
-        # Host values put on devices of every process are checked first, before any
-        # data moves (``check_host_values``).
+        # Host values put on devices of every process: their digests are posted before
+        # the transfers, and compared after them (``post_host_values``).
         host = [i for i, leaf in enumerate(plan.leaves) if leaf.kind == HOST]
         forms: dict[int, HostForm] = {}
+        compare_host_values: Callable[[], None] = _nothing_to_compare
         if host:
             with jax.enable_x64(x64):
-                forms = check_host_values([plan.leaves[i] for i in host], [values[i] for i in host])
+                forms, compare_host_values = post_host_values(
+                    [plan.leaves[i] for i in host], [values[i] for i in host]
+                )
         planned = [(i, leaf) for i, leaf in enumerate(plan.leaves) if leaf.kind != HOST]
         sources = [
             jax.random.key_data(values[i]) if leaf.kind == KEY else values[i] for i, leaf in planned
@@ -416,6 +419,7 @@ def execute_plan(
         # named nor single-device) are donated below, after the copies; when donating,
         # no copy may share their buffers.
         given = [i for i in host if isinstance(values[i], jax.Array)] if donate else []
+        compare_host_values()
         if host:
             with jax.enable_x64(x64):
                 placed = put_host_values(
@@ -631,21 +635,24 @@ def aliases(
 HostForm = tuple[np.ndarray, bool, Any]
 
 
-def check_host_values(leaves: Sequence[LeafInfo], values: Sequence[Any]) -> dict[int, HostForm]:
+def _nothing_to_compare() -> None:
+    """``post_host_values``' comparison where there is nothing to compare."""
+
+
+def post_host_values(
+    leaves: Sequence[LeafInfo], values: Sequence[Any]
+) -> tuple[dict[int, HostForm], Callable[[], None]]:
     """The host forms (``_host_form``) of the host leaves' values that
-    ``put_host_values`` puts from this process's copy (by index), once checked: those
-    put on devices of every process must be equal on every process.
+    ``put_host_values`` puts from this process's copy (by index), and the check that
+    those put on devices of every process are equal on every process: their digests
+    are posted now, before the call's transfers, and compared by the function returned,
+    after them (``_collective_executor.values_everywhere``: a process failing after its
+    transfers has posted already, and a process that refused the call, bad input there
+    or a value it cannot type, a Python int over int32 with x64 off on it alone, posts
+    its refusal there, so that no process waits for either).
 
-    Made before any data of the call moves, so that no process is left waiting in a
-    check that a peer, failing after the transfers, never joins; and through the
-    key-value store, where a peer that refused the call (bad input there, a value it
-    cannot type: a Python int over int32 with x64 off on it alone) says so, so that no
-    process waits for it either.
-
-    Raises:
-      ValueError: on every process, naming the leaves whose values differ between
-        processes.
-      RuntimeError: a peer refused this call.
+    The function raises ``ValueError`` on every process, naming the leaves whose values
+    differ between processes, or ``RuntimeError`` where a peer refused this call.
     """
     shardings = [leaf.dst_sharding for leaf in leaves]
     elsewhere = set(_held_elsewhere(leaves, values))
@@ -653,9 +660,11 @@ def check_host_values(leaves: Sequence[LeafInfo], values: Sequence[Any]) -> dict
     forms = {i: _host_form(values[i]) for i in ours}
     # Those put on devices of every process.
     checked = [i for i in ours if len(processes_of(shardings[i])) == jax.process_count()]
-    if checked:
-        _check_equal_across_processes([leaves[i] for i in checked], [forms[i] for i in checked])
-    return forms
+    if not checked:
+        return forms, _nothing_to_compare
+    return forms, _posted_equal_across_processes(
+        [leaves[i] for i in checked], [forms[i] for i in checked]
+    )
 
 
 def put_host_values(
@@ -671,14 +680,14 @@ def put_host_values(
     other than committed arrays are put from this process's copy of them where their
     destination is not on this process's devices alone, with
     the type, weak type and abstract value ``jax.device_put`` gives them (``forms``,
-    checked by ``check_host_values``). There ``jax.device_put`` refuses uncommitted
+    checked by ``post_host_values``). There ``jax.device_put`` refuses uncommitted
     key arrays, and fails on some processes for an uncommitted array put on devices of
     some processes (jax 0.10: "must have one shard each"). For a value put on devices
     of every process it first checks that every process passes the same value: it
     all-gathers the whole value over every device, laid out as processes x local
     devices. That moves the value to every device once per process, involves devices
     the plan avoids, and fails where processes hold different numbers of devices (jax
-    0.10: "cannot reshape array"). Such values are checked by ``check_host_values``
+    0.10: "cannot reshape array"). Such values are checked by ``post_host_values``
     instead, a 16-byte digest each, compared before the call moves any data."""
     shardings = [leaf.dst_sharding for leaf in leaves]
     elsewhere = _held_elsewhere(leaves, values)
@@ -732,12 +741,13 @@ def _held_elsewhere(leaves: Sequence[LeafInfo], values: Sequence[Any]) -> list[i
     ]
 
 
-def _check_equal_across_processes(
+def _posted_equal_across_processes(
     leaves: Sequence[LeafInfo], forms: Sequence[tuple[np.ndarray, bool, Any]]
-) -> None:
-    """Raises ``ValueError`` on every process if any of these values, each put on
-    devices of every process, differs between processes: compares a digest of each, in
-    two halves: its type (shape, dtype, weak type, key implementation) and its bytes."""
+) -> Callable[[], None]:
+    """Posts a digest of each of these values, each put on devices of every process,
+    in two halves (its type: shape, dtype, weak type, key implementation; and its
+    bytes); the function returned raises ``ValueError`` on every process if any differs
+    between processes."""
     types = [repr((h.shape, str(h.dtype), weak, str(impl))).encode() for h, weak, impl in forms]
     digests = b"".join(
         hashlib.sha256(t).digest()[:8] + hashlib.sha256(t + h.tobytes()).digest()[:8]
@@ -747,9 +757,27 @@ def _check_equal_across_processes(
 
     # (Without the key-value store, over one destination device per process: every
     # process has one, each checked value being put on devices of every process.)
-    everyone = collective.values_everywhere(
+    read = collective.values_everywhere(
         digests, {d for leaf in leaves for d in leaf.dst_sharding.device_set}
     )
+    return functools.partial(_compare_digests, read, leaves, forms)
+
+
+def _compare_digests(
+    read: Callable[[], dict[int, bytes]],
+    leaves: Sequence[LeafInfo],
+    forms: Sequence[tuple[np.ndarray, bool, Any]],
+) -> None:
+    """``_posted_equal_across_processes``' comparison, of every process's digests."""
+    everyone = read()
+    counts = {p: len(d) // 16 for p, d in everyone.items()}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            "reshard was called with different arguments on different processes: they "
+            "put different numbers of host values (numpy arrays, Python scalars, "
+            f"uncommitted arrays) on devices of every process ({counts}, by process). "
+            "Every process must pass the same pytree, with the same values"
+        )
     rows = np.stack([np.frombuffer(d, np.uint8) for _, d in sorted(everyone.items())])
     rows = rows.reshape(len(everyone), len(leaves), -1)
     differ = [k for k in range(len(leaves)) if not (rows[:, k] == rows[0, k]).all()]

@@ -403,7 +403,9 @@ def copies_in_place(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     for device, idx in by_device.items():
         xs = [arrays[i] for i in idx]
         key = ("copies", device.id, tuple((x.shape, str(x.dtype)) for x in xs))
-        fn = _programs.shared(key, lambda: _programs.OneExecutable(_copies))
+        # (A partial per program: jit's own cache, keyed by the function, would keep
+        # every signature's executable past the shared cache's bound.)
+        fn = _programs.shared(key, lambda: _programs.OneExecutable(functools.partial(_copies)))
         for i, c in zip(idx, fn(*xs), strict=True):
             out[i] = c
     for i, c in zip(rest, _compat.fresh_copies([arrays[i] for i in rest]), strict=True):
