@@ -747,8 +747,9 @@ def _scenarios() -> dict[str, Callable[[], None]]:
         # With host values put on every process beside the array: they were checked by
         # an all-gather after the transfers, which a guarded receiver, refusing its
         # outputs after the last stage, never joined (its peers waited for it until the
-        # watchdog). They are now checked before any data moves. And a Python scalar
-        # alone: its type was found by a transfer, refused before the check.
+        # watchdog). Their digests are now posted before the transfers (and compared
+        # after them). And a Python scalar alone: its type was found by a transfer,
+        # refused before the check.
         src, dst = cross
         everywhere = ns(devs, ("e",), P())
         host = np.arange(8, dtype=np.float32)
@@ -948,6 +949,14 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 {"w": same, "h": every, "g": every if me == 0 else mine},
                 "different numbers of host values",
             ),
+            # A tree of host values alone on process 0, which has no program to check
+            # (it waited for its peers' digests while they waited in the plan's check).
+            ({"h": host if me == 0 else make(host, every)}, {"h": every}, "different plans"),
+            (
+                {"h": host} if me == 0 else {"w": x, "h": host},
+                {"h": every} if me == 0 else {"w": same, "h": every},
+                "different plans",
+            ),
         ):
             try:
                 reshard.reshard(tree, dst)
@@ -1044,8 +1053,10 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                 pass
             check(reshard.reshard(x, dst, cache_resharding_plans=True), a, dst)
         keys = {k for k, _ in client.key_value_dir_get("reshard/")} - before
-        # (The peers may not have deleted theirs of the last failure yet.)
-        assert len(keys) <= jax.process_count(), sorted(keys)
+        # (The peers may not have deleted theirs of the last failure yet: a refusal is
+        # posted where each check of the call would be, the plan's and the values'.)
+        assert len(keys) <= 2 * jax.process_count(), sorted(keys)
+        assert all(k.split("/")[1] in ("agree", "values") for k in keys), sorted(keys)
 
     def a_call_refused_on_one_process_fails_every_process_at_once() -> None:
         # Process 1 alone refuses a call (bad input there) that the others make too,
@@ -1082,10 +1093,10 @@ def _scenarios() -> dict[str, Callable[[], None]]:
                     assert "(ValueError: " in str(e) and why in str(e), e
         finally:
             _collective_executor.AGREE_WAIT_S = wait
-        # A call of host values alone (no array, so no plan to check): process 1's
-        # refusal is read where the values are compared, before any data moves; it
-        # used to leave the others in an all-gather until the watchdog. The same for a
-        # Python int that process 1 alone cannot type (x64 off there only).
+        # A call of host values alone: process 1's refusal is read where the plan or
+        # the values are compared; it used to leave the others in an all-gather until
+        # the watchdog. The same for a Python int that process 1 alone cannot type (x64
+        # off there only).
         every = ns(devs, ("e",), P())
         host = np.arange(8, dtype=np.float32)
         for tree, shardings, x64, why in (

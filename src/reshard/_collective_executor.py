@@ -570,8 +570,8 @@ def fingerprint(what: Any) -> bytes:
 
 
 _AGREE_KEY = "reshard/agree"
-# Where the digests of host values put on every process are compared, at every call
-# that has such values (``values_everywhere``), before any data moves.
+# Where the digests of host values put on every process are posted, at every call that
+# has such values, before its transfers (read after them: ``values_everywhere``).
 _VALUES_KEY = "reshard/values"
 _REFUSED = "!"  # marks a refusal posted where the check would be (digests are hex)
 # How long a check waits for its peers, as XLA's CPU collectives wait for theirs (the
@@ -704,7 +704,12 @@ def values_everywhere(digest: bytes, devices: Iterable[Any]) -> Callable[[], dic
             if client is not None:
                 return _read(client, digest, _VALUES_KEY)
             reps = one_per_process(devices)
-            rows = _gather(np.frombuffer(digest, np.uint32), [reps[p] for p in sorted(reps)])
+            on = [reps[p] for p in sorted(reps)]
+            # The lengths first: gloo aborts a process whose all-gather differs in size.
+            words = _gather(np.array([len(digest) // 4], np.uint32), on)
+            if len(set(words.tolist())) > 1:  # (the caller says the counts differ)
+                return {p: bytes(4 * int(w)) for p, w in zip(sorted(reps), words, strict=True)}
+            rows = _gather(np.frombuffer(digest, np.uint32), on)
         rows = rows.reshape(len(reps), -1)
         return {p: row.tobytes() for p, row in zip(sorted(reps), rows, strict=True)}
 

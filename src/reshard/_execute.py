@@ -265,6 +265,14 @@ def execute_plan(
 
         if not planned:
             moved: list[jax.Array] = []
+            if host and plan.crosses_processes and not plan._cache.get("host values agreed"):
+                # No program, so no program's check: the processes still compare what each
+                # was asked (once per plan), so that one whose tree holds arrays where
+                # this one's holds host values meets it in the same check and both raise.
+                leaves = [plan.leaves[i] for i in host]
+                what = ("host values", _host_values_described(leaves))
+                _agree_without_program(plan, what, leaves[0].dst_sharding)
+                plan._cache["host values agreed"] = True
         elif not plan.crosses_processes and jax.process_index() not in plan.processes:
             # Another process holds every device of the plan and moves everything there
             # (see Plan.crosses_processes), whatever the executor: here the outputs hold no
@@ -399,7 +407,9 @@ def execute_plan(
                 if plan.crosses_processes and not plan._cache.get("kinds agreed"):
                     # No program, so no program's check: the processes still compare what
                     # each was asked (once per plan), as for any call that crosses processes.
-                    _agree_on_kind_changes(plan, described, dst_shardings)
+                    _agree_without_program(
+                        plan, ("memory-kind changes in place", described), dst_shardings[0]
+                    )
                     plan._cache["kinds agreed"] = True
                 copy_in_place()
         else:  # pragma: no cover - validated in plan()
@@ -688,7 +698,8 @@ def put_host_values(
     devices. That moves the value to every device once per process, involves devices
     the plan avoids, and fails where processes hold different numbers of devices (jax
     0.10: "cannot reshape array"). Such values are checked by ``post_host_values``
-    instead, a 16-byte digest each, compared before the call moves any data."""
+    instead, a 16-byte digest each, posted before the call's transfers and compared
+    after them."""
     shardings = [leaf.dst_sharding for leaf in leaves]
     elsewhere = _held_elsewhere(leaves, values)
     ours = sorted(forms)
@@ -889,18 +900,32 @@ def _kind_changes_in_place(
     return found
 
 
-def _agree_on_kind_changes(
-    plan: Plan, described: list[Any], dst_shardings: Sequence[Sharding]
-) -> None:
-    """The check across processes (``_collective_executor.agree``) of a call made only
-    of memory-kind changes in place (``described`` by ``_kind_changes_in_place``),
-    under the collective watchdog."""
+def _agree_without_program(plan: Plan, what: Any, sharding: Sharding) -> None:
+    """The check across processes (``_collective_executor.agree``) of a call that runs
+    no program, so has no program's check: made only of memory-kind changes in place,
+    or of host values alone. ``what`` describes it; under the collective watchdog."""
     from ._collective_executor import agree_on, collective_timeout_s, fingerprint, watchdog
 
-    what = ("memory-kind changes in place", described)
-    device: Any = next(iter(dst_shardings[0].device_set))
+    device: Any = next(iter(sharding.device_set))
     with watchdog(collective_timeout_s()):
         agree_on(fingerprint(what), str(device.platform), plan.avoid_devices)
+
+
+def _host_values_described(leaves: Sequence[LeafInfo]) -> list[Any]:
+    """What the processes compare of a call of host values alone (its plan's first
+    run): each leaf's path, type, shape, and destination devices, spec and memory kind.
+    (Their values are compared at every call, by digest: ``post_host_values``.)"""
+    return [
+        (
+            leaf.path,
+            str(leaf.dtype),
+            list(leaf.shape),
+            _device_ids(leaf.dst_sharding),
+            repr(getattr(leaf.dst_sharding, "spec", None)),
+            str(leaf.dst_sharding.memory_kind),
+        )
+        for leaf in leaves
+    ]
 
 
 def _source_sharding(plan: Plan, j: int) -> Sharding:
