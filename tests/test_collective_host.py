@@ -564,10 +564,13 @@ def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
     monkeypatch.setattr(ce, "AGREE_WAIT_S", 0.5)  # (a wait: a test failure, not a hang)
     monkeypatch.setattr(common, "_calls_started", 5)
 
+    # Posted where either check of the call would be: the plan's, and that of the host
+    # values put on every process (``values_everywhere``).
+    refusal = "!ValueError: bad input"
     ce.refuse_call(ValueError("bad input"))
-    assert store.kv == {"reshard/agree/5/0": "!ValueError: bad input"}
+    assert store.kv == {"reshard/agree/5/0": refusal, "reshard/values/5/0": refusal}
     ce.refuse_call(TypeError("raised again on the way out"))  # one post per call
-    assert store.kv == {"reshard/agree/5/0": "!ValueError: bad input"}
+    assert store.kv == {"reshard/agree/5/0": refusal, "reshard/values/5/0": refusal}
 
     common._calls_started = 6  # a check that succeeds: the older post goes
     store.kv["reshard/agree/6/1"] = b"\x01\x02".hex()
@@ -575,6 +578,18 @@ def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
     assert store.kv == {"reshard/agree/6/0": "0102", "reshard/agree/6/1": "0102"}
     ce.refuse_call(ValueError("after its check"))  # its peers may be in collectives
     assert store.kv["reshard/agree/6/0"] == "0102"
+    store.kv.pop("reshard/values/6/0")  # (posted there: no values check in this call)
+
+    common._calls_started = 7  # the values' digests: posted at once, read when asked
+    read = ce.values_everywhere(b"\x05\x06", [])
+    assert store.kv["reshard/values/7/0"] == "0506"
+    store.kv["reshard/values/7/1"] = "!ValueError: its own bad value"
+    with pytest.raises(RuntimeError, match=r"process 1 refused this call"):
+        read()
+    ce.refuse_call(ValueError("its check posted"))  # not over its posted digests
+    assert store.kv["reshard/values/7/0"] == "0506"
+    assert store.kv.pop("reshard/agree/7/0").startswith("!ValueError: its check posted")
+    del store.kv["reshard/values/7/0"], store.kv["reshard/values/7/1"]
 
     common._calls_started = 7  # the peer refused this call: raise at once, by name
     store.kv["reshard/agree/7/1"] = "!ValueError: its own bad input"
@@ -590,6 +605,7 @@ def test_a_refused_call_is_posted_where_its_check_would_be(monkeypatch) -> None:
     common._calls_started = 9
     ce.refuse_call(ValueError(long))  # a long message is cut
     assert store.kv["reshard/agree/9/0"] == "!" + ("ValueError: " + long)[:2000] + " ..."
+    assert store.kv["reshard/values/9/0"] == store.kv["reshard/agree/9/0"]
 
     # A later call that every process reached (a cached plan's: no check) deletes this
     # process's posts of earlier calls, failure reasons too, and nothing of the peers'.
