@@ -913,12 +913,13 @@ def _agree_without_program(plan: Plan, what: Any, sharding: Sharding) -> None:
 
 def _host_values_described(leaves: Sequence[LeafInfo]) -> list[Any]:
     """What the processes compare of a call of host values alone (its plan's first
-    run): each leaf's path, type, shape, and destination devices, spec and memory kind.
-    (Their values are compared at every call, by digest: ``post_host_values``.)"""
+    run): each leaf's path, shape, and destination devices, spec and memory kind. Not
+    its type: the digests of the values compare the type JAX gives each (a float64
+    array and a float32 one are the same with x64 off, as for ``jax.device_put``), and
+    name it where it differs (``post_host_values``, at every call)."""
     return [
         (
             leaf.path,
-            str(leaf.dtype),
             list(leaf.shape),
             _device_ids(leaf.dst_sharding),
             repr(getattr(leaf.dst_sharding, "spec", None)),
