@@ -612,18 +612,19 @@ def refuse_call(error: BaseException) -> None:
     Never raises: the caller's own error is what matters."""
     if jax.process_count() == 1:
         return
-    # Both checks a peer may be waiting in: the plan's, and the host values'.
-    for space in (_AGREE_KEY, _VALUES_KEY):
-        if _collective_common.posted_in_this_call(
-            _key(calls_started(), jax.process_index(), space)
-        ):
-            continue
-        with contextlib.suppress(Exception):
-            client = _compat.distributed_client()
-            if client is not None:
-                what = f"{type(error).__name__}: {error}"
-                value = _REFUSED + (what if len(what) <= 2000 else what[:2000] + " ...")
-                _post(client, value, space)
+    with contextlib.suppress(Exception):
+        client = _compat.distributed_client()
+        if client is None:
+            return
+        what = f"{type(error).__name__}: {error}"
+        value = _REFUSED + (what if len(what) <= 2000 else what[:2000] + " ...")
+        # Both checks a peer may be waiting in: the plan's, and the host values'.
+        for space in (_AGREE_KEY, _VALUES_KEY):
+            if not _collective_common.posted_in_this_call(
+                _key(calls_started(), jax.process_index(), space)
+            ):
+                with contextlib.suppress(Exception):  # (the other check still hears)
+                    _post(client, value, space)
 
 
 def _exchange(client: Any, digest: bytes, space: str = _AGREE_KEY) -> dict[int, bytes]:

@@ -265,14 +265,12 @@ def execute_plan(
 
         if not planned:
             moved: list[jax.Array] = []
-            if host and plan.crosses_processes and not plan._cache.get("host values agreed"):
-                # No program, so no program's check: the processes still compare what each
-                # was asked (once per plan), so that one whose tree holds arrays where
-                # this one's holds host values meets it in the same check and both raise.
+            if host:
+                # So that a process whose tree holds arrays where this one's holds host
+                # values meets it in the same check, and both raise.
                 leaves = [plan.leaves[i] for i in host]
                 what = ("host values", _host_values_described(leaves))
                 _agree_without_program(plan, what, leaves[0].dst_sharding)
-                plan._cache["host values agreed"] = True
         elif not plan.crosses_processes and jax.process_index() not in plan.processes:
             # Another process holds every device of the plan and moves everything there
             # (see Plan.crosses_processes), whatever the executor: here the outputs hold no
@@ -404,13 +402,9 @@ def execute_plan(
                 for j, arr in zip(rest, got, strict=True):
                     moved[j] = arr
             else:
-                if plan.crosses_processes and not plan._cache.get("kinds agreed"):
-                    # No program, so no program's check: the processes still compare what
-                    # each was asked (once per plan), as for any call that crosses processes.
-                    _agree_without_program(
-                        plan, ("memory-kind changes in place", described), dst_shardings[0]
-                    )
-                    plan._cache["kinds agreed"] = True
+                _agree_without_program(
+                    plan, ("memory-kind changes in place", described), dst_shardings[0]
+                )
                 copy_in_place()
         else:  # pragma: no cover - validated in plan()
             raise ValueError(f"unknown executor {plan.executor!r}")
@@ -900,15 +894,21 @@ def _kind_changes_in_place(
     return found
 
 
-def _agree_without_program(plan: Plan, what: Any, sharding: Sharding) -> None:
+def _agree_without_program(plan: Plan, what: tuple[str, Any], sharding: Sharding) -> None:
     """The check across processes (``_collective_executor.agree``) of a call that runs
     no program, so has no program's check: made only of memory-kind changes in place,
-    or of host values alone. ``what`` describes it; under the collective watchdog."""
+    or of host values alone. ``what`` (its kind, and what the processes compare of it)
+    describes it. Once per plan, as a program's, for a plan that crosses processes;
+    under the collective watchdog."""
     from ._collective_executor import agree_on, collective_timeout_s, fingerprint, watchdog
 
+    agreed = f"{what[0]} agreed"
+    if not plan.crosses_processes or plan._cache.get(agreed):
+        return
     device: Any = next(iter(sharding.device_set))
     with watchdog(collective_timeout_s()):
         agree_on(fingerprint(what), str(device.platform), plan.avoid_devices)
+    plan._cache[agreed] = True
 
 
 def _host_values_described(leaves: Sequence[LeafInfo]) -> list[Any]:
